@@ -1,0 +1,88 @@
+"""Kernel ops: one contract, two implementations.
+
+Each op dispatches to its Triton kernel for CUDA tensors (when Triton imports) and to the
+plain-torch reference in `reference.py` otherwise. `EDGED_KERNELS=reference` forces the reference
+everywhere (debugging, and the oracle run in GPU tests).
+"""
+from __future__ import annotations
+
+import os
+from types import ModuleType
+
+import torch
+
+from . import reference
+from .weights import LinearWeight, concat_out, dequantize, pack_w4, quantize_w4, quantize_w8
+
+__all__ = [
+    "LinearWeight", "concat_out", "dequantize", "pack_w4", "quantize_w4", "quantize_w8",
+    "linear", "rms_norm", "rope", "silu_and_mul", "write_kv", "attention_decode",
+    "attention_prefill", "sample", "backend_for",
+]
+
+_triton_ops: ModuleType | None = None
+_triton_checked = False
+
+
+def _load_triton() -> ModuleType | None:
+    global _triton_ops, _triton_checked
+    if not _triton_checked:
+        _triton_checked = True
+        try:
+            from . import triton_ops
+            _triton_ops = triton_ops
+        except ImportError:
+            _triton_ops = None
+    return _triton_ops
+
+
+def backend_for(t: torch.Tensor) -> ModuleType:
+    """The implementation module for tensors on t's device."""
+    if t.is_cuda and os.environ.get("EDGED_KERNELS", "auto") != "reference":
+        ops = _load_triton()
+        if ops is not None:
+            return ops
+    return reference
+
+
+def linear(x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
+    return backend_for(x).linear(x, w)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    return backend_for(x).rms_norm(x, weight, eps, residual)
+
+
+def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> None:
+    backend_for(q).rope(q, k, positions, cos_sin)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    return backend_for(x).silu_and_mul(x)
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+             v_scale: torch.Tensor | None = None) -> None:
+    backend_for(k).write_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+
+
+def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    return backend_for(q).attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale,
+                                           k_scale, v_scale)
+
+
+def attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
+                      scale: float, k_scale: torch.Tensor | None = None,
+                      v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    return backend_for(q).attention_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q,
+                                            context_lens, scale, k_scale, v_scale)
+
+
+def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+           seeds: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    return backend_for(logits).sample(logits, temperature, top_k, top_p, seeds, offsets)

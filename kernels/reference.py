@@ -1,0 +1,178 @@
+"""Plain-torch reference of every kernel op: the oracle for the Triton kernels and the CPU path.
+
+Shapes (T new tokens in a step, B sequences, H heads, D head_dim, N cache blocks of S slots):
+  k_cache/v_cache: [N, S, Hkv, D]; optional int8 caches carry k_scale/v_scale [N, S, Hkv].
+  block_tables: [B, max_blocks] int32; context_lens: [B] int32 (tokens in cache after the step);
+  slot_mapping: [T] int64, slot = block * S + offset, -1 = padding (not written).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .weights import LinearWeight, dequantize
+
+
+def linear(x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
+    """y = x @ W^T + b for any weight format, computed in x's dtype."""
+    weight = w.data if w.format == "dense" else dequantize(w, x.dtype)
+    return F.linear(x, weight.to(x.dtype), None if w.bias is None else w.bias.to(x.dtype))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused residual add + RMSNorm: h = x + residual; returns (norm(h) * weight, h)."""
+    h = x if residual is None else x + residual
+    hf = h.to(torch.float32)
+    normed = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype), h
+
+
+def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> None:
+    """Rotary embedding (rotate-half / NeoX layout) in place on q [T,Hq,D] and k [T,Hk,D].
+
+    cos_sin: [max_pos, D] float32, cos in the first D/2 columns and sin in the last D/2.
+    """
+    half = q.shape[-1] // 2
+    cs = cos_sin[positions.long()]
+    cos, sin = cs[:, None, :half], cs[:, None, half:]
+    for t in (q, k):
+        tf = t.to(torch.float32)
+        x1, x2 = tf[..., :half], tf[..., half:]
+        t.copy_(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1))
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU: silu(x[..., :I]) * x[..., I:]."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def quantize_kv_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 with one scale per token and head: x [T,H,D] -> (int8 [T,H,D], scale [T,H])."""
+    xf = x.to(torch.float32)
+    scale = xf.abs().amax(dim=-1).clamp(min=1e-6) / 127.0
+    return torch.round(xf / scale[..., None]).clamp(-127, 127).to(torch.int8), scale
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+             v_scale: torch.Tensor | None = None) -> None:
+    """Scatter this step's k, v [T,Hkv,D] into the paged cache at slot_mapping (skipping -1)."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    n, s = k_cache.shape[:2]
+    kc, vc = k_cache.view(n * s, *k_cache.shape[2:]), v_cache.view(n * s, *v_cache.shape[2:])
+    if k_scale is None:
+        kc[slots] = k[keep].to(kc.dtype)
+        vc[slots] = v[keep].to(vc.dtype)
+        return
+    kq, ks = quantize_kv_int8(k[keep])
+    vq, vs = quantize_kv_int8(v[keep])
+    kc[slots], vc[slots] = kq, vq
+    k_scale.view(n * s, -1)[slots] = ks.to(k_scale.dtype)
+    v_scale.view(n * s, -1)[slots] = vs.to(v_scale.dtype)
+
+
+def _gather_kv(cache: torch.Tensor, scale: torch.Tensor | None, block_table: torch.Tensor,
+               length: int, dtype: torch.dtype) -> torch.Tensor:
+    """The first `length` cached tokens of one sequence as [length, Hkv, D]."""
+    s = cache.shape[1]
+    pos = torch.arange(length, device=cache.device)
+    blocks = block_table[pos // s].long()
+    out = cache[blocks, pos % s].to(torch.float32)
+    if scale is not None:
+        out = out * scale[blocks, pos % s].to(torch.float32)[..., None]
+    return out.to(dtype)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q_start: int) -> torch.Tensor:
+    """Causal attention of q [Tq,Hq,D] at positions q_start.. over k, v [L,Hkv,D], GQA by repeat."""
+    group = q.shape[1] // k.shape[1]
+    kf = k.to(torch.float32).repeat_interleave(group, dim=1)
+    vf = v.to(torch.float32).repeat_interleave(group, dim=1)
+    scores = torch.einsum("thd,lhd->htl", q.to(torch.float32), kf) * scale
+    q_pos = torch.arange(q.shape[0], device=q.device)[:, None] + q_start
+    k_pos = torch.arange(k.shape[0], device=q.device)[None, :]
+    scores = scores.masked_fill((k_pos > q_pos)[None], float("-inf"))
+    return torch.einsum("htl,lhd->thd", scores.softmax(dim=-1), vf).to(q.dtype)
+
+
+def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """One new query per sequence, q [B,Hq,D], over its whole cached context."""
+    out = torch.empty_like(q)
+    for b, length in enumerate(context_lens.tolist()):
+        k = _gather_kv(k_cache, k_scale, block_tables[b], length, q.dtype)
+        v = _gather_kv(v_cache, v_scale, block_tables[b], length, q.dtype)
+        out[b] = _attend(q[b:b + 1], k, v, scale, length - 1)[0]
+    return out
+
+
+def attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
+                      scale: float, k_scale: torch.Tensor | None = None,
+                      v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens (q [T,Hq,D], packed by cu_seqlens_q) over a
+    cached prefix plus themselves; their K/V are already in the cache (write_kv ran first)."""
+    out = torch.empty_like(q)
+    starts = cu_seqlens_q.tolist()
+    for b, length in enumerate(context_lens.tolist()):
+        lo, hi = starts[b], starts[b + 1]
+        if hi == lo:
+            continue
+        k = _gather_kv(k_cache, k_scale, block_tables[b], length, q.dtype)
+        v = _gather_kv(v_cache, v_scale, block_tables[b], length, q.dtype)
+        out[lo:hi] = _attend(q[lo:hi], k, v, scale, length - (hi - lo))
+    return out
+
+
+_M32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """lowbias32 integer hash on uint32 values held in int64 (the Triton kernel does the same)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _M32
+    return x ^ (x >> 16)
+
+
+def sampling_uniform(seeds: torch.Tensor, offsets: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Counter-based uniforms in (0,1), [B, vocab]: a function of (seed, offset, token id) only,
+    so a seeded request samples the same tokens on every device and in every batch."""
+    seed = seeds.long()[:, None] & _M32
+    off = offsets.long()[:, None] & _M32
+    idx = torch.arange(vocab, device=seeds.device, dtype=torch.int64)[None, :]
+    h = _mix32(idx ^ _mix32(off ^ _mix32(seed)))
+    return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / 16777216.0)
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask to -inf everything outside each row's top_k (0 = off) and then its top_p nucleus."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    rank = torch.arange(vocab, device=logits.device)[None, :]
+    k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)[:, None]
+    sorted_logits = sorted_logits.masked_fill(rank >= k, float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    before = probs.cumsum(dim=-1) - probs  # mass strictly above this token
+    sorted_logits = sorted_logits.masked_fill((before >= top_p[:, None]) & (rank > 0), float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+
+
+def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+           seeds: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Next token per row of logits [B,V]: argmax where temperature == 0, else a Gumbel-max draw
+    from softmax(logits / temperature) restricted to top_k / top_p, with counter-based noise."""
+    logits = logits.to(torch.float32)
+    greedy = logits.argmax(dim=-1)
+    if bool((temperature <= 0).all()):
+        return greedy
+    temp = torch.where(temperature > 0, temperature, 1.0).to(torch.float32)[:, None]
+    filtered = apply_top_k_top_p(logits / temp, top_k, top_p.to(torch.float32))
+    u = sampling_uniform(seeds, offsets, logits.shape[-1])
+    drawn = (filtered - torch.log(-torch.log(u))).argmax(dim=-1)
+    return torch.where(temperature > 0, drawn, greedy)

@@ -1,0 +1,111 @@
+"""Runtime weight formats read by `linear`: dense, w8 (int8 per output channel), w4 (int4 groups)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class LinearWeight:
+    """One linear layer's weight in a runtime format.
+
+    - ``dense``: ``data`` is ``[out, in]`` in the compute dtype.
+    - ``w8``: ``data`` is int8 ``[out, in]``; ``scale`` is ``[out]``; w = q * scale.
+    - ``w4``: ``data`` is uint8 ``[out, in // 2]``, column 2j in the low nibble and 2j+1 in the
+      high nibble, q in 0..15; ``scale`` and ``minimum`` are ``[out, in // group_size]``;
+      w = q * scale + minimum (GGUF Q4_1 exactly; Q4_0 is scale=d, minimum=-8d).
+    ``bias`` is ``[out]`` or None.
+    """
+
+    format: str
+    data: torch.Tensor
+    scale: torch.Tensor | None = None
+    minimum: torch.Tensor | None = None
+    group_size: int = 0
+    bias: torch.Tensor | None = None
+
+    @property
+    def out_features(self) -> int:
+        return self.data.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.data.shape[1] * (2 if self.format == "w4" else 1)
+
+    @property
+    def nbytes(self) -> int:
+        parts = (self.data, self.scale, self.minimum, self.bias)
+        return sum(p.numel() * p.element_size() for p in parts if p is not None)
+
+    def to(self, device: torch.device | str) -> "LinearWeight":
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device)
+
+        return LinearWeight(self.format, move(self.data), move(self.scale), move(self.minimum),
+                            self.group_size, move(self.bias))
+
+
+def dequantize(w: LinearWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The weight as a dense ``[out, in]`` tensor (the oracle for every linear kernel)."""
+    if w.format == "dense":
+        return w.data.to(dtype)
+    if w.format == "w8":
+        return (w.data.to(torch.float32) * w.scale.to(torch.float32)[:, None]).to(dtype)
+    if w.format == "w4":
+        low = (w.data & 0x0F).to(torch.float32)
+        high = (w.data >> 4).to(torch.float32)
+        q = torch.stack((low, high), dim=-1).reshape(w.data.shape[0], -1)
+        out, k = q.shape
+        g = q.view(out, k // w.group_size, w.group_size)
+        deq = g * w.scale.to(torch.float32)[..., None] + w.minimum.to(torch.float32)[..., None]
+        return deq.reshape(out, k).to(dtype)
+    raise ValueError(f"unknown weight format {w.format!r}")
+
+
+def quantize_w8(weight: torch.Tensor, bias: torch.Tensor | None = None) -> LinearWeight:
+    """Symmetric int8, one scale per output channel."""
+    w = weight.to(torch.float32)
+    scale = w.abs().amax(dim=1).clamp(min=1e-8) / 127.0
+    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return LinearWeight("w8", q, scale.to(weight.dtype), None, 0, bias)
+
+
+def quantize_w4(weight: torch.Tensor, group_size: int = 32, bias: torch.Tensor | None = None) -> LinearWeight:
+    """Asymmetric int4 (scale + min per group), the layout GGUF Q4_1 uses."""
+    if group_size not in (32, 64, 128):
+        raise ValueError(f"w4 group_size must be 32, 64 or 128, got {group_size}")
+    out, k = weight.shape
+    if k % group_size:
+        raise ValueError(f"in_features {k} is not a multiple of group_size {group_size}")
+    g = weight.to(torch.float32).view(out, k // group_size, group_size)
+    lo = g.amin(dim=-1)
+    hi = g.amax(dim=-1)
+    scale = ((hi - lo) / 15.0).clamp(min=1e-8)
+    q = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8).view(out, k)
+    return pack_w4(q, scale.to(weight.dtype), lo.to(weight.dtype), group_size, bias)
+
+
+def pack_w4(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, group_size: int,
+            bias: torch.Tensor | None = None) -> LinearWeight:
+    """Pack unsigned 4-bit values ``q [out, in]`` two to a byte."""
+    q = q.to(torch.uint8)
+    packed = (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
+    return LinearWeight("w4", packed, scale, minimum, group_size, bias)
+
+
+def concat_out(weights: list[LinearWeight]) -> LinearWeight:
+    """Stack weights of one format along the output dimension (fused qkv, fused gate_up)."""
+    first = weights[0]
+    if any(w.format != first.format or w.group_size != first.group_size for w in weights):
+        raise ValueError("cannot fuse weights of different formats")
+
+    def cat(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
+        return None if parts[0] is None else torch.cat(parts, dim=0)
+
+    biases = [w.bias for w in weights]
+    if any(b is not None for b in biases):
+        biases = [b if b is not None else torch.zeros(w.out_features, dtype=first.data.dtype)
+                  for b, w in zip(biases, weights)]
+    return LinearWeight(first.format, cat([w.data for w in weights]), cat([w.scale for w in weights]),
+                        cat([w.minimum for w in weights]), first.group_size, cat(biases))

@@ -1,0 +1,86 @@
+"""The Llama-family decoder (Llama, SmolLM, Mistral, Qwen2) written only on `kernels` ops."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from edged import kernels
+from edged.kernels import LinearWeight
+
+from .batch import AttentionMetadata, KVCache
+from .config import ModelConfig
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: LinearWeight  # q, k, v stacked on the output dimension
+    o: LinearWeight
+    post_norm: torch.Tensor
+    gate_up: LinearWeight  # gate, up stacked on the output dimension
+    down: LinearWeight
+
+
+@dataclass
+class LlamaWeights:
+    embed: torch.Tensor  # [vocab, hidden], dense
+    layers: list[LayerWeights]
+    final_norm: torch.Tensor
+    lm_head: LinearWeight
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes read per decoded token (embedding row excluded): the roofline's numerator."""
+        total = self.lm_head.nbytes + self.final_norm.numel() * self.final_norm.element_size()
+        for layer in self.layers:
+            total += sum(w.nbytes for w in (layer.qkv, layer.o, layer.gate_up, layer.down))
+            total += 2 * layer.input_norm.numel() * layer.input_norm.element_size()
+        return total
+
+
+class LlamaModel:
+    """Forward over a flat batch of new tokens from many sequences (prefill chunks and decodes)."""
+
+    def __init__(self, config: ModelConfig, weights: LlamaWeights, max_positions: int | None = None) -> None:
+        self.config = config
+        self.weights = weights
+        self.device = weights.embed.device
+        self.dtype = weights.embed.dtype
+        self.cos_sin = config.rope_cos_sin(max_positions).to(self.device)
+        self.scale = config.head_dim ** -0.5
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv: KVCache) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm."""
+        cfg = self.config
+        h = self.weights.embed[input_ids]
+        residual: torch.Tensor | None = None
+        for i, layer in enumerate(self.weights.layers):
+            x, residual = kernels.rms_norm(h, layer.input_norm, cfg.rms_norm_eps, residual)
+            qkv = kernels.linear(x, layer.qkv)
+            q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+            q = q.reshape(-1, cfg.num_heads, cfg.head_dim)
+            k = k.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
+            v = v.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
+            kernels.rope(q, k, positions, self.cos_sin)
+            k_scale = kv.k_scale[i] if kv.k_scale is not None else None
+            v_scale = kv.v_scale[i] if kv.v_scale is not None else None
+            kernels.write_kv(k, v, kv.k[i], kv.v[i], meta.slot_mapping, k_scale, v_scale)
+            if meta.is_decode:
+                attn = kernels.attention_decode(q, kv.k[i], kv.v[i], meta.block_tables, meta.context_lens,
+                                                self.scale, k_scale, v_scale)
+            else:
+                attn = kernels.attention_prefill(q, kv.k[i], kv.v[i], meta.block_tables, meta.cu_seqlens_q,
+                                                 meta.context_lens, self.scale, k_scale, v_scale)
+            h = kernels.linear(attn.reshape(-1, cfg.q_size), layer.o)
+            x, residual = kernels.rms_norm(h, layer.post_norm, cfg.rms_norm_eps, residual)
+            h = kernels.linear(kernels.silu_and_mul(kernels.linear(x, layer.gate_up)), layer.down)
+        out, _ = kernels.rms_norm(h, self.weights.final_norm, cfg.rms_norm_eps, residual)
+        return out
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, vocab] float32 logits for the rows of hidden that need a next token."""
+        return kernels.linear(hidden, self.weights.lm_head).to(torch.float32)

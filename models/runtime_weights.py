@@ -1,0 +1,121 @@
+"""Turn loaded, Hugging Face-named tensors into the model's runtime weights in one format.
+
+A loader yields ``{name: Tensor | LinearWeight}`` with HF names (``model.layers.0.self_attn.q_proj.weight``)
+where a GGUF Q4_0/Q4_1 tensor already is a ``w4`` LinearWeight; everything else is a float tensor.
+"""
+from __future__ import annotations
+
+import torch
+
+from edged.kernels import LinearWeight, concat_out, dequantize, quantize_w4, quantize_w8
+
+from .config import ModelConfig
+from .llama import LayerWeights, LlamaWeights
+
+QUANT_MODES = ("auto", "none", "w8", "w4")
+Named = dict[str, "torch.Tensor | LinearWeight"]
+
+
+def to_runtime_linear(src: torch.Tensor | LinearWeight, bias: torch.Tensor | None, quant: str,
+                      dtype: torch.dtype, device: torch.device, group_size: int = 32) -> LinearWeight:
+    """One linear weight in the runtime format that `quant` asks for.
+
+    auto keeps w4 sources as they are on CUDA (GGUF Q4 is not requantized) and is dense elsewhere,
+    since the CPU reference would dequantize a packed weight at every call.
+    """
+    if quant not in QUANT_MODES:
+        raise ValueError(f"quant must be one of {QUANT_MODES}, got {quant!r}")
+    b = None if bias is None else bias.to(dtype)
+    is_packed = isinstance(src, LinearWeight)
+    if quant == "auto":
+        quant = "w4" if (is_packed and src.format == "w4" and device.type == "cuda") else "none"
+    if quant == "w4" and is_packed and src.format == "w4":
+        w = LinearWeight("w4", src.data, src.scale.to(dtype), src.minimum.to(dtype), src.group_size, b)
+        return w.to(device)
+    dense = dequantize(src, torch.float32) if is_packed else src.to(torch.float32)
+    if quant == "none":
+        return LinearWeight("dense", dense.to(dtype), bias=b).to(device)
+    if quant == "w8":
+        w = quantize_w8(dense, b)
+    else:
+        w = quantize_w4(dense, group_size, b)
+    w.scale = w.scale.to(dtype)
+    if w.minimum is not None:
+        w.minimum = w.minimum.to(dtype)
+    return w.to(device)
+
+
+def _dense(t: torch.Tensor | LinearWeight) -> torch.Tensor:
+    return dequantize(t, torch.float32) if isinstance(t, LinearWeight) else t.to(torch.float32)
+
+
+def build_weights(named: Named, config: ModelConfig, quant: str = "auto", dtype: torch.dtype = torch.float32,
+                  device: torch.device | str = "cpu", group_size: int = 32) -> LlamaWeights:
+    """Fuse q/k/v and gate/up, convert to `quant`, and move to `device`."""
+    device = torch.device(device)
+    missing = [n for n in ("model.embed_tokens.weight", "model.norm.weight") if n not in named]
+    if missing:
+        raise ValueError(f"model weights lack {', '.join(missing)}")
+
+    def get(name: str) -> torch.Tensor | LinearWeight:
+        if name not in named:
+            raise ValueError(f"model weights lack {name}")
+        return named[name]
+
+    def norm(name: str) -> torch.Tensor:
+        return _dense(get(name)).to(dtype).to(device)
+
+    def fused(names: list[str]) -> LinearWeight:
+        parts = [to_runtime_linear(get(f"{n}.weight"), named.get(f"{n}.bias"), quant, dtype, device, group_size)
+                 for n in names]
+        return concat_out(parts)
+
+    layers = []
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}"
+        attn, mlp = f"{p}.self_attn", f"{p}.mlp"
+        layers.append(LayerWeights(
+            input_norm=norm(f"{p}.input_layernorm.weight"),
+            qkv=fused([f"{attn}.q_proj", f"{attn}.k_proj", f"{attn}.v_proj"]),
+            o=fused([f"{attn}.o_proj"]),
+            post_norm=norm(f"{p}.post_attention_layernorm.weight"),
+            gate_up=fused([f"{mlp}.gate_proj", f"{mlp}.up_proj"]),
+            down=fused([f"{mlp}.down_proj"]),
+        ))
+    embed = _dense(named["model.embed_tokens.weight"])
+    head_src = named.get("lm_head.weight")
+    if head_src is None or config.tie_word_embeddings:
+        head_src = embed
+    lm_head = to_runtime_linear(head_src, None, quant, dtype, device, group_size)
+    return LlamaWeights(embed.to(dtype).to(device), layers, norm("model.norm.weight"), lm_head)
+
+
+def random_named_weights(config: ModelConfig, seed: int = 0, std: float = 0.02,
+                         device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> Named:
+    """Random weights at a model's real shapes, for benchmarks and GPU tests (no files).
+    Made on `device` so that an 8B shape does not pass through host memory."""
+    g = torch.Generator(device=device).manual_seed(seed)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g, device=device, dtype=dtype) * std
+
+    c = config
+    named: Named = {"model.embed_tokens.weight": rand(c.vocab_size, c.hidden_size),
+                    "model.norm.weight": 1.0 + rand(c.hidden_size)}
+    if not c.tie_word_embeddings:
+        named["lm_head.weight"] = rand(c.vocab_size, c.hidden_size)
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}"
+        named[f"{p}.input_layernorm.weight"] = 1.0 + rand(c.hidden_size)
+        named[f"{p}.post_attention_layernorm.weight"] = 1.0 + rand(c.hidden_size)
+        named[f"{p}.self_attn.q_proj.weight"] = rand(c.q_size, c.hidden_size)
+        named[f"{p}.self_attn.k_proj.weight"] = rand(c.kv_size, c.hidden_size)
+        named[f"{p}.self_attn.v_proj.weight"] = rand(c.kv_size, c.hidden_size)
+        named[f"{p}.self_attn.o_proj.weight"] = rand(c.hidden_size, c.q_size)
+        named[f"{p}.mlp.gate_proj.weight"] = rand(c.intermediate_size, c.hidden_size)
+        named[f"{p}.mlp.up_proj.weight"] = rand(c.intermediate_size, c.hidden_size)
+        named[f"{p}.mlp.down_proj.weight"] = rand(c.hidden_size, c.intermediate_size)
+        if c.attention_bias:
+            for n, size in (("q", c.q_size), ("k", c.kv_size), ("v", c.kv_size)):
+                named[f"{p}.self_attn.{n}_proj.bias"] = rand(size)
+    return named
