@@ -1,0 +1,104 @@
+"""The event loop's face of the engine: submit a request, get its text as an async stream."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from edged.log import fields
+from edged.models.chat_template import render_chat
+from edged.models.tokenizer import IncrementalDetokenizer, Tokenizer
+
+from .llm_engine import LLMEngine
+from .request import GenerationRequest, StepOutput
+from .text_stream import StopStringFilter
+
+log = logging.getLogger("edged.engine")
+
+
+@dataclass(slots=True)
+class TextDelta:
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # "stop" | "length" | "cancelled" | "error"; set on the last delta
+    prompt_tokens: int
+    completion_tokens: int
+    error: str | None = None
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, tokenizer: Tokenizer, chat_template: str | None, model_id: str,
+                 max_model_len: int) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        self.model_id = model_id
+        self.max_model_len = max_model_len
+        self._queues: dict[str, asyncio.Queue[StepOutput]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        engine.on_outputs = self._from_engine_thread
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        if not self.engine.is_alive():
+            self.engine.start()
+
+    def _from_engine_thread(self, outputs: list[StepOutput]) -> None:
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._dispatch, outputs)
+
+    def _dispatch(self, outputs: list[StepOutput]) -> None:
+        for out in outputs:
+            q = self._queues.get(out.request_id)
+            if q is not None:
+                q.put_nowait(out)
+
+    @property
+    def active_requests(self) -> int:
+        return len(self._queues)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    def render_chat(self, messages: list[dict]) -> list[int]:
+        """Apply the model's chat template (ValueError on malformed messages) and tokenize."""
+        prompt = render_chat(self.chat_template, messages, self.tokenizer)
+        return self.tokenizer.encode(prompt)
+
+    def cancel(self, request_id: str) -> None:
+        self.engine.cancel(request_id)
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[TextDelta]:
+        """Stream the request's text; closing the iterator early cancels the sequence."""
+        if self._loop is None:
+            self.start()
+        rid = request.request_id
+        if rid in self._queues:
+            raise ValueError(f"request id {rid} is already running")
+        q: asyncio.Queue[StepOutput] = asyncio.Queue()
+        self._queues[rid] = q
+        self.engine.add_request(request)
+        detok = IncrementalDetokenizer(self.tokenizer)
+        stops = StopStringFilter(list(request.sampling.stop))
+        n_prompt, n_done = len(request.prompt_token_ids), 0
+        engine_done = False  # the engine has freed the sequence itself
+        try:
+            while True:
+                out = await q.get()
+                engine_done = out.finished
+                n_done += len(out.new_token_ids)
+                piece = stops.push(detok.feed(out.new_token_ids), final=out.finished)
+                if piece.stopped:
+                    yield TextDelta(piece.text, out.new_token_ids, "stop", n_prompt, n_done)
+                    return
+                if piece.text or out.new_token_ids or out.finished:
+                    yield TextDelta(piece.text, out.new_token_ids, out.finish_reason, n_prompt, n_done, out.error)
+                if out.finished:
+                    return
+        finally:
+            self._queues.pop(rid, None)
+            if not engine_done:
+                self.engine.cancel(rid)
+                log.debug("sequence cancelled by its stream %s", fields(request_id=rid, tokens=n_done))

@@ -1,0 +1,175 @@
+"""The engine loop: one thread that admits requests, runs steps and reports new tokens.
+
+Requests and cancels arrive through a thread-safe inbox; once per step the new tokens of every
+sequence go out in a single `on_outputs` call, so the event loop is woken once per step.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import random
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from edged.log import fields
+from edged.scheduler.batcher import Batcher
+
+from .block_manager import BlockManager
+from .model_runner import ModelRunner
+from .request import GenerationRequest, StepOutput
+from .sequence import Sequence, SequenceStatus
+
+log = logging.getLogger("edged.engine")
+
+
+@dataclass(slots=True)
+class EngineCounters:
+    steps: int = 0
+    prefill_tokens: int = 0  # prompt tokens computed (prefix-cache hits excluded)
+    decode_tokens: int = 0
+    preemptions: int = 0
+    last_step_s: float = 0.0
+    last_batch_size: int = 0
+    last_progress: float = 0.0  # monotonic time the loop last completed an iteration
+
+
+class LLMEngine:
+    def __init__(self, runner: ModelRunner, blocks: BlockManager, batcher: Batcher, max_model_len: int,
+                 eos_token_ids: list[int], on_outputs: Callable[[list[StepOutput]], None]) -> None:
+        self.runner = runner
+        self.blocks = blocks
+        self.batcher = batcher
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.on_outputs = on_outputs
+        self.counters = EngineCounters(last_progress=time.monotonic())
+        self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+        self._by_id: dict[str, Sequence] = {}
+        self._rng = random.Random()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # --- called from any thread ---
+    def add_request(self, request: GenerationRequest) -> None:
+        self._inbox.put(("add", request))
+
+    def cancel(self, request_id: str) -> None:
+        self._inbox.put(("cancel", request_id))
+
+    def call(self, fn: Callable[[], None]) -> None:
+        """Run fn on the engine thread between steps (live reconfiguration)."""
+        self._inbox.put(("call", fn))
+
+    def start(self, on_thread_start: Callable[[], None] | None = None) -> None:
+        def main() -> None:
+            if on_thread_start is not None:
+                on_thread_start()
+            self.run()
+
+        self._thread = threading.Thread(target=main, name="edged-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._inbox.put(("wake", None))
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # --- engine thread ---
+    def _drain_inbox(self, block: bool) -> list[StepOutput]:
+        outputs: list[StepOutput] = []
+        try:
+            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return outputs
+        while True:
+            kind, payload = item
+            if kind == "add":
+                self._admit(payload)  # type: ignore[arg-type]
+            elif kind == "cancel":
+                out = self._cancel(payload)  # type: ignore[arg-type]
+                if out:
+                    outputs.append(out)
+            elif kind == "call":
+                payload()  # type: ignore[operator]
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return outputs
+
+    def _admit(self, request: GenerationRequest) -> None:
+        seed = request.sampling.seed if request.sampling.seed is not None else self._rng.getrandbits(32)
+        seq = Sequence.from_request(request, seed, self.eos_token_ids)
+        self._by_id[request.request_id] = seq
+        self.batcher.add(seq)
+
+    def _cancel(self, request_id: str) -> StepOutput | None:
+        seq = self._by_id.pop(request_id, None)
+        if seq is None:
+            return None
+        self.batcher.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        log.debug("cancelled %s", fields(request_id=request_id, step=self.counters.steps))
+        return StepOutput(request_id, [], True, "cancelled")
+
+    def step(self) -> list[StepOutput]:
+        plan = self.batcher.schedule()
+        outputs = [StepOutput(s.request_id, [], True, "error", "the request needs more KV cache than the node has")
+                   for s in plan.rejected]
+        for seq in plan.rejected:
+            self._by_id.pop(seq.request_id, None)
+        self.counters.preemptions += len(plan.preempted)
+        if not plan.chunks:
+            return outputs
+        start = time.perf_counter()
+        tokens = self.runner.execute(plan)
+        now = time.monotonic()
+        for chunk, token in zip(plan.chunks, tokens):
+            seq = chunk.seq
+            if seq.first_scheduled_at is None:
+                seq.first_scheduled_at = now
+            if seq.num_computed < seq.num_prompt_tokens:
+                self.counters.prefill_tokens += min(chunk.num_new_tokens, seq.num_prompt_tokens - seq.num_computed)
+            seq.num_computed += chunk.num_new_tokens
+            self.blocks.commit(seq)
+            if token is None:
+                continue
+            self.counters.decode_tokens += 1
+            seq.append(token, self.max_model_len)
+            out = StepOutput(seq.request_id, [token], seq.status is SequenceStatus.FINISHED, seq.finish_reason)
+            if out.finished:
+                self.batcher.remove(seq)
+                self._by_id.pop(seq.request_id, None)
+            outputs.append(out)
+        self.counters.steps += 1
+        self.counters.last_step_s = time.perf_counter() - start
+        self.counters.last_batch_size = len(plan.chunks)
+        return outputs
+
+    def run(self) -> None:
+        log.info("engine loop started")
+        while not self._stop.is_set():
+            outputs = self._drain_inbox(block=not self.batcher.has_work())
+            if self.batcher.has_work():
+                try:
+                    outputs.extend(self.step())
+                except Exception as exc:  # a failed step ends its sequences, not the daemon
+                    log.exception("engine step failed")
+                    outputs.extend(self._fail_all(str(exc)))
+            self.counters.last_progress = time.monotonic()
+            if outputs:
+                self.on_outputs(outputs)
+        log.info("engine loop stopped")
+
+    def _fail_all(self, reason: str) -> list[StepOutput]:
+        outputs = []
+        for request_id, seq in list(self._by_id.items()):
+            self.batcher.remove(seq)
+            outputs.append(StepOutput(request_id, [], True, "error", f"engine step failed: {reason}"))
+        self._by_id.clear()
+        return outputs

@@ -1,0 +1,94 @@
+"""The engine's batching, paging and sampling, on a tiny random-weight model."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine_fixtures import request, run_to_completion, tiny_engine
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(256) for _ in range(rng.randrange(3, 30))] for _ in range(n)]
+
+
+def test_batched_greedy_equals_each_request_alone() -> None:
+    ps = prompts(12)
+    together = run_to_completion(tiny_engine(), [request(f"r{i}", p) for i, p in enumerate(ps)])
+    for i, p in enumerate(ps):
+        alone = run_to_completion(tiny_engine(), [request(f"r{i}", p)])
+        assert together[f"r{i}"] == alone[f"r{i}"]
+        assert len(alone[f"r{i}"]) == 12
+
+
+def test_chunked_prefill_gives_the_same_tokens_as_one_chunk() -> None:
+    p = prompts(1, seed=3)[0] * 4
+    whole = run_to_completion(tiny_engine(max_batch_tokens=512), [request("a", p)])
+    chunked = run_to_completion(tiny_engine(max_batch_tokens=5), [request("a", p)])
+    assert whole == chunked
+
+
+def test_preempted_requests_finish_with_the_output_they_would_have_had() -> None:
+    ps = prompts(8, seed=5)
+    reqs = [request(f"r{i}", p, max_tokens=20) for i, p in enumerate(ps)]
+    roomy = run_to_completion(tiny_engine(num_blocks=128), reqs)
+    engine = tiny_engine(num_blocks=24)  # far too few blocks for 8 sequences at once
+    tight = run_to_completion(engine, [request(r.request_id, r.prompt_token_ids, max_tokens=20) for r in reqs])
+    assert engine.counters.preemptions > 0
+    assert tight == roomy
+
+
+def test_seeded_sampling_is_reproducible_and_independent_of_batching() -> None:
+    ps = prompts(4, seed=7)
+    kw = dict(temperature=0.9, top_p=0.9, top_k=50, seed=1234)
+    batch = run_to_completion(tiny_engine(), [request(f"r{i}", p, **kw) for i, p in enumerate(ps)])
+    alone = run_to_completion(tiny_engine(), [request("r2", ps[2], **kw)])
+    assert batch["r2"] == alone["r2"]
+    other_seed = run_to_completion(tiny_engine(), [request("r2", ps[2], **{**kw, "seed": 99})])
+    assert other_seed["r2"] != alone["r2"]
+
+
+def test_finished_and_cancelled_sequences_free_their_blocks() -> None:
+    engine = tiny_engine()
+    total = engine.blocks.num_blocks
+    run_to_completion(engine, [request("a", [1, 2, 3, 4, 5, 6, 7], max_tokens=5)])
+    assert engine.blocks.num_free == total
+    engine._admit(request("b", list(range(20)), max_tokens=100))
+    engine.step()
+    engine.step()
+    assert engine.blocks.num_used > 0
+    engine.cancel("b")
+    engine._drain_inbox(block=False)
+    assert engine.blocks.num_free == total
+    assert not engine.batcher.has_work()
+
+
+def test_max_tokens_and_stop_token_ids_end_a_sequence() -> None:
+    p = prompts(1, seed=11)[0]
+    free_run = run_to_completion(tiny_engine(), [request("a", p, max_tokens=10)])["a"]
+    stop_at = free_run[4]
+    stopped = run_to_completion(tiny_engine(), [request("a", p, max_tokens=10, stop_token_ids=[stop_at])])["a"]
+    assert stopped == free_run[:free_run.index(stop_at) + 1]
+
+
+def test_a_request_larger_than_the_whole_kv_pool_fails_alone() -> None:
+    engine = tiny_engine(num_blocks=4, block_size=4)
+    engine._admit(request("big", list(range(40))))
+    outs = engine.step()
+    assert outs[0].finish_reason == "error"
+    assert engine.blocks.num_free == 4
+
+
+def test_a_shared_prefix_is_reused_and_the_output_is_unchanged() -> None:
+    prefix = prompts(1, seed=13)[0] * 3  # whole blocks of 4 tokens
+    first, second = prefix + [7, 8, 9], prefix + [10, 11]
+    off = run_to_completion(tiny_engine(prefix_caching=False), [request("b", second)])
+    engine = tiny_engine()
+    run_to_completion(engine, [request("a", first)])
+    before = engine.counters.prefill_tokens
+    on = run_to_completion(engine, [request("b", second)])
+    reused = (len(prefix) // 4) * 4
+    assert engine.blocks.counters.prefix_tokens_reused == reused
+    assert engine.counters.prefill_tokens - before == len(second) - reused
+    assert on == off
