@@ -1,0 +1,120 @@
+"""`edged` command line: serve, chat, bench, check-config, models, topology, cache."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+DEFAULT_PORT = 4433
+
+
+def _add_client_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="daemon address (default: %(default)s)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="daemon UDP port (default: %(default)s)")
+    tls = p.add_mutually_exclusive_group()
+    tls.add_argument("--ca-file", help="CA or self-signed certificate to trust (default: the local daemon's "
+                                       "certificate under --state-dir when it exists)")
+    tls.add_argument("--insecure", action="store_true", help="do not verify the server certificate")
+    p.add_argument("--state-dir", help="where a local daemon keeps its certificate (default: as `serve`)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="edged",
+        description="Embedded LLM inference daemon for GPU edge nodes: an OpenAI-compatible API over HTTP/3.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    serve = sub.add_parser("serve", help="run the daemon", description=(
+        "Load the model, warm it up and serve the OpenAI-compatible API over HTTP/3 (QUIC). "
+        "Flags override the config file. SIGHUP reloads the config; SIGTERM drains and exits."))
+    serve.add_argument("--config", help="config.yaml (default: built-in defaults; see the repo's config.yaml)")
+    serve.add_argument("--listen", metavar="HOST:PORT", help="UDP address to listen on (default 0.0.0.0:4433)")
+    serve.add_argument("--state-dir", metavar="DIR", help="certificates and the result cache live here")
+    serve.add_argument("--model", metavar="PATH", help="a .gguf file or a Hugging Face model directory "
+                                                        "(default: the embedded SmolLM2-135M-Instruct)")
+    serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="log verbosity")
+
+    chat = sub.add_parser("chat", help="ask the daemon and stream the answer", description=(
+        "Send one chat message to a running edged over HTTP/3 and stream the answer to the terminal."))
+    chat.add_argument("prompt", help="the user message")
+    _add_client_flags(chat)
+    chat.add_argument("--system", help="an optional system message")
+    chat.add_argument("--max-tokens", type=int, help="most tokens to generate")
+    chat.add_argument("--temperature", type=float, help="0 for greedy decoding")
+    chat.add_argument("--api-key", help="API key, when the daemon has auth on")
+
+    check = sub.add_parser("check-config", help="validate a config file offline",
+                           description="Validate config.yaml with the same messages a live reload logs.")
+    check.add_argument("file", help="the config file")
+
+    models = sub.add_parser("models", help="show the model the daemon would load",
+                            description="Print the configured (or embedded default) model and its shape.")
+    models.add_argument("--config", help="config.yaml")
+    models.add_argument("--model", metavar="PATH", help="a .gguf file or a Hugging Face model directory")
+
+    topo = sub.add_parser("topology", help="show the GPU's PCIe/NUMA topology and the limits it implies")
+    topo.add_argument("--sysfs", default="/sys", help="sysfs root (default: %(default)s)")
+    topo.add_argument("--batch-cap", type=int, help="a configured batch cap override")
+
+    cache = sub.add_parser("cache", help="inspect or clear the result cache")
+    cache.add_argument("action", choices=["stats", "clear"])
+    cache.add_argument("--state-dir", help="the daemon's state directory")
+    cache.add_argument("--config", help="config.yaml (for its state_dir)")
+
+    bench = sub.add_parser("bench", help="benchmarks that print a table")
+    bench_sub = bench.add_subparsers(dest="bench", metavar="KIND", required=True)
+    decode = bench_sub.add_parser("decode", help="decode tokens/s against the HBM roofline (random weights)")
+    decode.add_argument("--shapes", default="smollm2-135m,llama-3.2-1b,llama-3-8b")
+    decode.add_argument("--quant", default="none,w8,w4")
+    decode.add_argument("--batch", default="1,8,32,64")
+    decode.add_argument("--steps", type=int, default=64)
+    decode.add_argument("--peer", action="store_true", help="also time transformers (static cache, compiled)")
+    kern = bench_sub.add_parser("kernels", help="each kernel's GB/s or TFLOP/s against measured ceilings")
+    kern.add_argument("--dtype", default="bfloat16")
+    srv = bench_sub.add_parser("serve", help="load generator over HTTP/3 with per-tier SLA report")
+    _add_client_flags(srv)
+    srv.add_argument("--rate", type=float, help="Poisson arrivals per second (default: fixed concurrency)")
+    srv.add_argument("--concurrency", type=int, default=8)
+    srv.add_argument("--requests", type=int, default=64)
+    srv.add_argument("--tier-mix", default="gold=1,silver=1,bronze=1")
+    srv.add_argument("--prompt-tokens", type=int, default=64)
+    srv.add_argument("--output-tokens", type=int, default=32)
+    srv.add_argument("--dataset", help="JSONL with prompt and max_tokens per line")
+    srv.add_argument("--json", help="write the report as JSON here")
+    srv.add_argument("--plot", help="write a PNG of latency against load here")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        from edged.daemon import run_serve_command
+        return run_serve_command(args)
+    if args.command == "chat":
+        from edged.daemon import resolve_ca_file
+        from edged.server.h3_client import run_chat_command
+        return run_chat_command(args.prompt, host=args.host, port=args.port,
+                                ca_file=resolve_ca_file(args.ca_file, args.insecure, args.state_dir),
+                                insecure=args.insecure, max_tokens=args.max_tokens, temperature=args.temperature,
+                                system=args.system, api_key=args.api_key)
+    if args.command == "check-config":
+        from edged.config import run_check_config
+        return run_check_config(args.file)
+    if args.command == "models":
+        from edged.daemon import run_models_command
+        return run_models_command(args)
+    if args.command == "topology":
+        from edged.scheduler.topology import run_topology_command
+        return run_topology_command(args.sysfs, args.batch_cap)
+    if args.command == "cache":
+        from edged.daemon import state_dir_for
+        from edged.cache.result_cache import run_cache_command
+        return run_cache_command(args.action, state_dir_for(args.config, args.state_dir))
+    if args.command == "bench":
+        from edged.bench import run_bench_command
+        return run_bench_command(args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
