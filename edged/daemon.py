@@ -1,0 +1,195 @@
+"""Wiring: config -> model -> engine thread -> HTTP/3 server; signals, live reload, systemd notify."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from edged.config import Config, ConfigError, apply_overrides, load_config, reload_config, warnings
+from edged.engine.async_engine import AsyncEngine
+from edged.engine.request import GenerationRequest, SamplingParams
+from edged.engine.setup import EngineSettings, build_engine
+from edged.log import fields, setup_logging
+from edged.systemd import Notifier, Watchdog
+
+log = logging.getLogger("edged.daemon")
+
+ENGINE_STALL_S = 20.0  # no engine-loop iteration for this long: withhold watchdog pings
+CONFIG_POLL_S = 2.0  # how often the config file's mtime is checked for edits
+
+
+def server_settings(config: Config):
+    from edged.server.h3_server import ServerSettings
+
+    return ServerSettings(
+        max_body_bytes=config.server.max_body_bytes,
+        default_max_tokens=config.limits.max_tokens_default,
+        max_tokens_limit=config.limits.max_tokens_limit,
+        tiers=tuple(config.tiers),
+        default_tier=config.scheduler.default_tier,
+    )
+
+
+class Daemon:
+    def __init__(self, config: Config, config_path: str | None, overrides: dict[str, str | None]) -> None:
+        self.config = config
+        self.config_path = config_path
+        self.overrides = overrides
+        self.notifier = Notifier()
+        self.engine: AsyncEngine | None = None
+        self.server = None
+        self._stop = asyncio.Event()
+        self._config_mtime = self._mtime()
+
+    def _mtime(self) -> float | None:
+        try:
+            return os.stat(self.config_path).st_mtime if self.config_path else None
+        except OSError:
+            return None
+
+    def engine_alive(self) -> bool:
+        e = self.engine
+        return e is not None and e.engine.is_alive() and \
+            time.monotonic() - e.engine.counters.last_progress < ENGINE_STALL_S
+
+    async def warm_up(self, engine: AsyncEngine) -> None:
+        """One real step through every layer before READY, so the first client does not pay for it."""
+        ids = engine.encode("Hello")
+        request = GenerationRequest("warmup", ids, SamplingParams(temperature=0.0, max_tokens=2))
+        async for _ in engine.generate(request):
+            pass
+
+    async def run(self) -> int:
+        from edged.models.loader import load_model
+        from edged.server.h3_server import serve
+        from edged.server.tls import ensure_cert
+
+        cfg = self.config
+        for w in warnings(cfg):
+            log.warning("%s", w)
+        self.notifier.status("loading model")
+        start = time.monotonic()
+        loaded = await asyncio.to_thread(load_model, cfg.model.path)
+        settings = EngineSettings.from_config(cfg.model, cfg.cache.prefix_cache)
+        self.engine = engine = await asyncio.to_thread(build_engine, loaded, settings)
+        engine.start()
+        self.notifier.status("warming up")
+        await self.warm_up(engine)
+        Path(cfg.server.state_dir).mkdir(parents=True, exist_ok=True)
+        certfile, keyfile = ensure_cert(cfg.server.state_dir, cfg.server.certfile, cfg.server.keyfile)
+        self.server = await serve(engine, cfg.server.host, cfg.server.port, certfile, keyfile, server_settings(cfg))
+        self.server.router.health_check = self.engine_alive
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, self._stop.set)
+        loop.add_signal_handler(signal.SIGINT, self._stop.set)
+        loop.add_signal_handler(signal.SIGHUP, lambda: asyncio.ensure_future(self.reload("SIGHUP")))
+        tasks = [asyncio.create_task(Watchdog(self.notifier, self.engine_alive).run()),
+                 asyncio.create_task(self._watch_config())]
+        status = f"serving {engine.model_id} on {cfg.server.listen} (h3)"
+        self.notifier.ready(status)
+        log.info("ready %s", fields(model=engine.model_id, listen=cfg.server.listen,
+                                    startup_s=round(time.monotonic() - start, 1), pid=os.getpid()))
+        await self._stop.wait()
+        self.notifier.stopping()
+        log.info("stopping %s", fields(drain_timeout_s=cfg.server.drain_timeout_s))
+        await self.server.shutdown(self.config.server.drain_timeout_s)
+        for t in tasks:
+            t.cancel()
+        engine.engine.stop()
+        log.info("stopped")
+        return 0
+
+    async def _watch_config(self) -> None:
+        while True:
+            await asyncio.sleep(CONFIG_POLL_S)
+            mtime = self._mtime()
+            if mtime != self._config_mtime:
+                self._config_mtime = mtime
+                await self.reload("file changed")
+
+    async def reload(self, reason: str) -> None:
+        """Re-read the config; apply what may change live; keep the old config if the new one is invalid."""
+        self.notifier.reloading()
+        log.info("reloading config %s", fields(reason=reason, path=self.config_path))
+        try:
+            new, diff = reload_config(self.config, self.config_path, self.overrides)
+        except ConfigError:
+            self.notifier.ready("config reload rejected; running on the previous config")
+            return
+        self.config = new
+        setup_logging(new.logging.level)
+        if self.server is not None:
+            self.server.settings = server_settings(new)
+        if self.engine is not None:
+            limits = self.engine.engine.batcher.limits
+            self.engine.engine.call(lambda: self._apply_batch_limits(limits, new))
+        self.notifier.ready(f"serving {self.engine.model_id if self.engine else '?'} on {new.server.listen} (h3)")
+
+    @staticmethod
+    def _apply_batch_limits(limits, config: Config) -> None:
+        limits.max_num_seqs = config.scheduler.batch_cap or config.model.max_num_seqs
+        limits.max_batch_tokens = config.scheduler.step_token_budget or config.model.max_batch_tokens
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, str | None]:
+    return {"listen": args.listen, "state_dir": args.state_dir, "model": args.model, "log_level": args.log_level}
+
+
+def run_serve_command(args: argparse.Namespace) -> int:
+    setup_logging(args.log_level or "info")
+    overrides = _overrides(args)
+    try:
+        config = apply_overrides(load_config(args.config, missing_ok=False) if args.config else load_config(None),
+                                 **overrides)
+    except ConfigError as e:
+        for m in e.messages():
+            log.error("invalid config %s", fields(source=e.source, problem=m))
+        return 2
+    setup_logging(config.logging.level)
+    try:
+        import uvloop
+        runner = uvloop.run
+    except ImportError:
+        runner = asyncio.run
+    try:
+        return runner(Daemon(config, args.config, overrides).run())
+    except (OSError, ValueError, RuntimeError) as e:
+        log.error("cannot start: %s", e)
+        return 1
+
+
+def state_dir_for(config_path: str | None, state_dir: str | None) -> str:
+    """The state directory a command should use: the flag, else the config's, else the default."""
+    if state_dir:
+        return state_dir
+    return load_config(config_path).server.state_dir
+
+
+def resolve_ca_file(ca_file: str | None, insecure: bool, state_dir: str | None) -> str | None:
+    """`edged chat` trusts the local daemon's self-signed certificate by default."""
+    if ca_file or insecure:
+        return ca_file
+    from edged.server.tls import default_ca_file
+
+    return default_ca_file(state_dir_for(None, state_dir))
+
+
+def run_models_command(args: argparse.Namespace) -> int:
+    from edged.models.loader import load_model
+
+    config = apply_overrides(load_config(args.config), model=args.model)
+    try:
+        loaded = load_model(config.model.path)
+    except (OSError, ValueError) as e:
+        print(f"edged: cannot load the model: {e}", file=sys.stderr)
+        return 1
+    c = loaded.config
+    print(f"{loaded.model_id}  ({loaded.source_path})")
+    print(f"  layers {c.num_layers}, hidden {c.hidden_size}, heads {c.num_heads}/{c.num_kv_heads} (q/kv), "
+          f"head_dim {c.head_dim}, vocab {c.vocab_size}, context {c.max_position_embeddings}")
+    return 0

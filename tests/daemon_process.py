@@ -1,0 +1,81 @@
+"""Start `edged serve` as a real process on a loopback port and wait until it is ready."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def free_udp_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class DaemonProcess:
+    proc: subprocess.Popen
+    port: int
+    state_dir: Path
+    config_path: Path | None
+    lines: list[str] = field(default_factory=list)
+    host: str = "127.0.0.1"
+
+    @property
+    def ca_file(self) -> str:
+        return str(self.state_dir / "tls" / "cert.pem")
+
+    def log_text(self) -> str:
+        return "".join(self.lines)
+
+    def wait_for_log(self, needle: str, timeout: float = 60.0, start: int = 0) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if any(needle in line for line in self.lines[start:]):
+                return True
+            if self.proc.poll() is not None:
+                return False
+            time.sleep(0.05)
+        return False
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+
+def start_daemon(tmp: Path, config_text: str | None = None, extra_args: list[str] | None = None,
+                 env: dict[str, str] | None = None, ready_timeout: float = 240.0) -> DaemonProcess:
+    port = free_udp_port()
+    state_dir = tmp / "state"
+    config_path = None
+    args = [sys.executable, "-m", "edged.cli", "serve", "--listen", f"127.0.0.1:{port}",
+            "--state-dir", str(state_dir)]
+    if config_text is not None:
+        config_path = tmp / "config.yaml"
+        config_path.write_text(config_text)
+        args += ["--config", str(config_path)]
+    args += extra_args or []
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+    d = DaemonProcess(proc, port, state_dir, config_path)
+
+    def pump() -> None:
+        for line in proc.stdout:
+            d.lines.append(line)
+
+    threading.Thread(target=pump, daemon=True).start()
+    if not d.wait_for_log("ready ", ready_timeout):
+        d.stop(signal.SIGKILL)
+        raise RuntimeError("edged did not become ready:\n" + d.log_text()[-4000:])
+    return d
