@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         return run_chat_command(args.prompt, host=args.host, port=args.port,
                                 ca_file=resolve_ca_file(args.ca_file, args.insecure, args.state_dir),
                                 insecure=args.insecure, max_tokens=args.max_tokens, temperature=args.temperature,
-                                system=args.system, api_key=args.api_key)
+                                system=args.system)
     if args.command == "check-config":
         from edged.config import run_check_config
         return run_check_config(args.file)

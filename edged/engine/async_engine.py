@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from typing import AsyncIterator
 
 from edged.log import fields
-from edged.models.chat_template import render_chat
-from edged.models.tokenizer import IncrementalDetokenizer, Tokenizer
+from edged.models.chat_template import ChatTemplate
+from edged.models.tokenizer import Tokenizer
 
 from .llm_engine import LLMEngine
 from .request import GenerationRequest, StepOutput
@@ -28,7 +28,7 @@ class TextDelta:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, tokenizer: Tokenizer, chat_template: str | None, model_id: str,
+    def __init__(self, engine: LLMEngine, tokenizer: Tokenizer, chat_template: ChatTemplate, model_id: str,
                  max_model_len: int) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
@@ -64,8 +64,7 @@ class AsyncEngine:
 
     def render_chat(self, messages: list[dict]) -> list[int]:
         """Apply the model's chat template (ValueError on malformed messages) and tokenize."""
-        prompt = render_chat(self.chat_template, messages, self.tokenizer)
-        return self.tokenizer.encode(prompt)
+        return self.tokenizer.encode(self.chat_template.render(messages))
 
     def cancel(self, request_id: str) -> None:
         self.engine.cancel(request_id)
@@ -80,7 +79,7 @@ class AsyncEngine:
         q: asyncio.Queue[StepOutput] = asyncio.Queue()
         self._queues[rid] = q
         self.engine.add_request(request)
-        detok = IncrementalDetokenizer(self.tokenizer)
+        detok = self.tokenizer.detokenizer()
         stops = StopStringFilter(list(request.sampling.stop))
         n_prompt, n_done = len(request.prompt_token_ids), 0
         engine_done = False  # the engine has freed the sequence itself
@@ -89,7 +88,8 @@ class AsyncEngine:
                 out = await q.get()
                 engine_done = out.finished
                 n_done += len(out.new_token_ids)
-                piece = stops.push(detok.feed(out.new_token_ids), final=out.finished)
+                text = detok.add(out.new_token_ids) + (detok.flush() if out.finished else "")
+                piece = stops.push(text, final=out.finished)
                 if piece.stopped:
                     yield TextDelta(piece.text, out.new_token_ids, "stop", n_prompt, n_done)
                     return

@@ -22,7 +22,7 @@ from .model_runner import ModelRunner
 log = logging.getLogger("edged.engine")
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-CPU_KV_BUDGET_BYTES = 2 << 30  # the CPU path shares RAM with everything else on the node
+CPU_KV_BUDGET_BYTES = 768 << 20  # the CPU path shares RAM with everything else on the node
 
 
 @dataclass(slots=True)

@@ -1,0 +1,455 @@
+"""A small async HTTP/3 client (aioquic), for `edged chat`, `edged bench serve` and the tests.
+
+    async with H3Client("127.0.0.1", 4433, ca_file=cert) as c:
+        r = await c.request("GET", "/healthz")
+        async with await c.stream("POST", "/v1/chat/completions", body=json_bytes) as s:
+            print(s.status, s.headers)
+            async for chunk in s:         # body bytes as they arrive
+                ...
+            s.reset()                     # or: cancel mid-way (RESET_STREAM + STOP_SENDING)
+
+Many requests may run concurrently on one connection.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import ssl
+import sys
+from collections.abc import AsyncIterator, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from aioquic.asyncio import QuicConnectionProtocol
+from aioquic.h3.connection import H3_ALPN, ErrorCode, H3Connection
+from aioquic.h3.events import DataReceived, H3Event, HeadersReceived
+from aioquic.quic.configuration import QuicConfiguration
+from aioquic.quic.events import ConnectionTerminated, QuicEvent, StreamReset
+
+HeadersArg = Mapping[str, str] | Iterable[tuple[str, str]] | None
+_END = object()
+
+
+class H3ClientError(Exception):
+    """Any client-side failure; subclasses say which."""
+
+
+class ConnectError(H3ClientError):
+    """No QUIC handshake: nothing answered in time, or the connection was refused/closed."""
+
+
+class CertificateError(ConnectError):
+    """The server's certificate did not verify."""
+
+
+class StreamError(H3ClientError):
+    """The server reset the stream or the connection went away mid-response."""
+
+
+class HTTPError(H3ClientError):
+    """A non-2xx response; `message` is the server's OpenAI-style error message when it sent one."""
+
+    def __init__(self, status: int, message: str, body: bytes = b"") -> None:
+        super().__init__(f"HTTP {status}: {message}")
+        self.status = status
+        self.message = message
+        self.body = body
+
+
+@dataclass
+class Response:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+    @property
+    def text(self) -> str:
+        return self.body.decode("utf-8", "replace")
+
+
+@dataclass
+class ResponseStream:
+    """A response whose body arrives in pieces. `status`/`headers` are set once headers arrived."""
+
+    client: H3Client
+    stream_id: int
+    status: int = 0
+    headers: dict[str, str] = field(default_factory=dict)
+    ended: bool = False
+    _queue: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
+    _headers_seen: asyncio.Event = field(default_factory=asyncio.Event)
+    _error: BaseException | None = None
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return self._chunks()
+
+    async def _chunks(self) -> AsyncIterator[bytes]:
+        while True:
+            item = await self._queue.get()
+            if item is _END:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    async def read(self) -> bytes:
+        return b"".join([c async for c in self])
+
+    def reset(self) -> None:
+        """Cancel the request: the server sees RESET_STREAM and STOP_SENDING."""
+        self.client.reset(self)
+
+    async def __aenter__(self) -> ResponseStream:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        if not self.ended:
+            self.reset()
+
+    # fed by the protocol
+    def _on_headers(self, headers: list[tuple[bytes, bytes]]) -> None:
+        for k, v in headers:
+            name, value = k.decode("latin-1"), v.decode("latin-1")
+            if name == ":status":
+                self.status = int(value)
+            elif name in self.headers:
+                self.headers[name] += ", " + value
+            else:
+                self.headers[name] = value
+        self._headers_seen.set()
+
+    def _on_data(self, data: bytes) -> None:
+        if data:
+            self._queue.put_nowait(data)
+
+    def _on_end(self) -> None:
+        if not self.ended:
+            self.ended = True
+            self._headers_seen.set()
+            self._queue.put_nowait(_END)
+
+    def _on_error(self, exc: BaseException) -> None:
+        if not self.ended:
+            self.ended = True
+            self._error = exc
+            self._headers_seen.set()
+            self._queue.put_nowait(exc)
+
+
+class _ClientProtocol(QuicConnectionProtocol):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.http = H3Connection(self._quic)
+        self.streams: dict[int, ResponseStream] = {}
+        self.terminated: ConnectionTerminated | None = None
+
+    def quic_event_received(self, event: QuicEvent) -> None:
+        for h3_event in self.http.handle_event(event):
+            self._h3_event(h3_event)
+        if isinstance(event, StreamReset):
+            rs = self.streams.pop(event.stream_id, None)
+            if rs is not None:
+                rs._on_error(StreamError(f"the server reset the stream (error {event.error_code:#x})"))
+        elif isinstance(event, ConnectionTerminated):
+            self.terminated = event
+            for rs in self.streams.values():
+                rs._on_error(StreamError(f"connection closed: {describe_close(event)}"))
+            self.streams.clear()
+
+    def _h3_event(self, event: H3Event) -> None:
+        rs = self.streams.get(getattr(event, "stream_id", -1))
+        if rs is None:
+            return
+        if isinstance(event, HeadersReceived):
+            if not rs._headers_seen.is_set():
+                rs._on_headers(event.headers)
+        elif isinstance(event, DataReceived):
+            rs._on_data(event.data)
+        if getattr(event, "stream_ended", False):
+            self.streams.pop(event.stream_id, None)
+            rs._on_end()
+
+
+def describe_close(event: ConnectionTerminated) -> str:
+    reason = event.reason_phrase or "no reason given"
+    return f"{reason} (error {event.error_code:#x})"
+
+
+def _is_cert_failure(event: ConnectionTerminated | None) -> bool:
+    if event is None:
+        return False
+    text = (event.reason_phrase or "").lower()
+    # CRYPTO_ERROR 0x100 + TLS alert: 42 bad_certificate .. 48 unknown_ca
+    return "certificate" in text or 0x100 + 42 <= event.error_code <= 0x100 + 48
+
+
+class H3Client:
+    """One QUIC connection to an HTTP/3 server; an async context manager."""
+
+    def __init__(self, host: str, port: int, *, ca_file: str | None = None, insecure: bool = False,
+                 server_name: str | None = None, connect_timeout: float = 5.0, idle_timeout: float = 60.0) -> None:
+        self.host = host
+        self.port = port
+        self.ca_file = ca_file
+        self.insecure = insecure
+        self.server_name = server_name
+        self.connect_timeout = connect_timeout
+        self.idle_timeout = idle_timeout
+        self._protocol: _ClientProtocol | None = None
+        self._transport: asyncio.DatagramTransport | None = None
+        self.authority = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+    async def __aenter__(self) -> H3Client:
+        await self.connect()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    async def connect(self) -> None:
+        """Resolve, handshake; ConnectError (CertificateError) on failure within connect_timeout."""
+        loop = asyncio.get_running_loop()
+        config = QuicConfiguration(is_client=True, alpn_protocols=H3_ALPN, idle_timeout=self.idle_timeout,
+                                   server_name=self.server_name or self.host)
+        if self.insecure:
+            config.verify_mode = ssl.CERT_NONE
+        elif self.ca_file:
+            try:
+                open(self.ca_file, "rb").close()
+            except OSError as e:
+                raise ConnectError(f"cannot read CA file {self.ca_file}: {e}") from None
+            config.load_verify_locations(self.ca_file)
+        try:
+            infos = await loop.getaddrinfo(self.host, self.port, type=socket.SOCK_DGRAM)
+        except socket.gaierror as e:
+            raise ConnectError(f"cannot resolve {self.host}: {e}") from None
+        family, _, _, _, addr = infos[0]
+        from aioquic.quic.connection import QuicConnection
+
+        quic = QuicConnection(configuration=config)
+        self._transport, protocol = await loop.create_datagram_endpoint(
+            lambda: _ClientProtocol(quic), family=family, local_addr=("::", 0) if family == socket.AF_INET6 else
+            ("0.0.0.0", 0))
+        self._protocol = protocol
+        protocol.connect(addr)
+        try:
+            await asyncio.wait_for(protocol.wait_connected(), self.connect_timeout)
+        except (TimeoutError, ConnectionError) as e:
+            term = protocol.terminated
+            self._transport.close()
+            self._protocol = None
+            if _is_cert_failure(term):
+                raise CertificateError(f"TLS certificate verification failed: {describe_close(term)}") from None
+            if term is not None:
+                raise ConnectError(f"connection closed during the handshake: {describe_close(term)}") from None
+            if isinstance(e, TimeoutError):
+                raise ConnectError(f"no QUIC handshake within {self.connect_timeout:g}s") from None
+            raise ConnectError(str(e) or type(e).__name__) from None
+
+    async def close(self) -> None:
+        if self._protocol is None:
+            return
+        protocol, self._protocol = self._protocol, None
+        protocol.close()
+        try:
+            await asyncio.wait_for(protocol.wait_closed(), 1.0)
+        except TimeoutError:
+            pass
+        if self._transport is not None:
+            self._transport.close()
+
+    @property
+    def connected(self) -> bool:
+        return self._protocol is not None and self._protocol.terminated is None
+
+    def _open(self, method: str, path: str, headers: HeadersArg, body: bytes | None, end_stream: bool) -> ResponseStream:
+        p = self._protocol
+        if p is None or p.terminated is not None:
+            raise ConnectError("not connected" if p is None else f"connection closed: {describe_close(p.terminated)}")
+        sid = p._quic.get_next_available_stream_id()
+        rs = ResponseStream(self, sid)
+        p.streams[sid] = rs
+        h = [(b":method", method.encode()), (b":scheme", b"https"), (b":authority", self.authority.encode()),
+             (b":path", path.encode()), (b"user-agent", b"edged-h3-client")]
+        items = headers.items() if isinstance(headers, Mapping) else (headers or [])
+        h += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in items]
+        if body is not None and not any(k == b"content-length" for k, _ in h) and end_stream:
+            h.append((b"content-length", str(len(body)).encode()))
+        p.http.send_headers(sid, h, end_stream=end_stream and not body)
+        if body:
+            p.http.send_data(sid, body, end_stream=end_stream)
+        p.transmit()
+        return rs
+
+    def send_body(self, stream: ResponseStream, data: bytes, end_stream: bool = False) -> None:
+        """More request body on a stream opened with end_stream=False (tests: slow or endless uploads)."""
+        p = self._protocol
+        if p is None:
+            raise ConnectError("not connected")
+        p.http.send_data(stream.stream_id, data, end_stream=end_stream)
+        p.transmit()
+
+    async def stream(self, method: str, path: str, headers: HeadersArg = None, body: bytes | None = None, *,
+                     end_stream: bool = True, timeout: float | None = 30.0) -> ResponseStream:
+        """Send a request; return once the response headers arrived (or the stream failed: raises)."""
+        rs = self._open(method, path, headers, body, end_stream)
+        try:
+            await asyncio.wait_for(rs._headers_seen.wait(), timeout)
+        except TimeoutError:
+            self.reset(rs)
+            raise StreamError(f"no response headers within {timeout:g}s") from None
+        if rs.status == 0 and rs._error is not None:
+            raise rs._error
+        return rs
+
+    async def request(self, method: str, path: str, headers: HeadersArg = None, body: bytes | None = None, *,
+                      timeout: float | None = 60.0) -> Response:
+        """Send a request and read the whole response."""
+
+        async def run() -> Response:
+            rs = await self.stream(method, path, headers, body, timeout=None)
+            data = await rs.read()
+            return Response(rs.status, rs.headers, data)
+
+        try:
+            return await asyncio.wait_for(run(), timeout)
+        except TimeoutError:
+            raise StreamError(f"no complete response within {timeout:g}s") from None
+
+    def reset(self, stream: ResponseStream) -> None:
+        """Abandon a request mid-way: STOP_SENDING (we want no more response) and RESET_STREAM."""
+        p = self._protocol
+        if p is None or stream.ended:
+            stream._on_end()
+            return
+        for op in (p._quic.stop_stream, p._quic.reset_stream):
+            try:
+                op(stream.stream_id, ErrorCode.H3_REQUEST_CANCELLED)
+            except (ValueError, AssertionError):
+                pass  # that half of the stream is already finished
+        p.streams.pop(stream.stream_id, None)
+        stream._on_end()
+        p.transmit()
+
+
+# ---------------------------------------------------------------- OpenAI helpers
+
+
+async def iter_sse(chunks: AsyncIterator[bytes]) -> AsyncIterator[str]:
+    """Body chunks of a text/event-stream -> the `data:` payload of each event ("[DONE]" included)."""
+    buf = b""
+    async for chunk in chunks:
+        buf += chunk.replace(b"\r\n", b"\n")
+        while b"\n\n" in buf:
+            event, buf = buf.split(b"\n\n", 1)
+            data = [line[5:].lstrip(b" ") for line in event.split(b"\n") if line.startswith(b"data:")]
+            if data:
+                yield b"\n".join(data).decode("utf-8", "replace")
+
+
+def error_message(status: int, body: bytes) -> str:
+    """The `error.message` of an OpenAI-style error body, else the body itself."""
+    try:
+        return str(json.loads(body)["error"]["message"])
+    except Exception:
+        text = body.decode("utf-8", "replace").strip()
+        return text[:500] or f"HTTP {status}"
+
+
+async def chat_stream(client: H3Client, messages: list[dict[str, Any]], *, model: str | None = None,
+                      max_tokens: int | None = None, temperature: float | None = None,
+                      headers: HeadersArg = None, extra: dict[str, Any] | None = None,
+                      timeout: float | None = 30.0) -> AsyncIterator[str]:
+    """Stream a chat completion; yield content deltas. Raises HTTPError / StreamError on failure."""
+    body: dict[str, Any] = {"messages": messages, "stream": True}
+    if model is not None:
+        body["model"] = model
+    if max_tokens is not None:
+        body["max_tokens"] = max_tokens
+    if temperature is not None:
+        body["temperature"] = temperature
+    body.update(extra or {})
+    hdrs = dict(headers.items() if isinstance(headers, Mapping) else (headers or []))
+    hdrs.setdefault("content-type", "application/json")
+    hdrs.setdefault("accept", "text/event-stream")
+    rs = await client.stream("POST", "/v1/chat/completions", hdrs, json.dumps(body).encode(), timeout=timeout)
+    async with rs:
+        if rs.status != 200:
+            data = await rs.read()
+            raise HTTPError(rs.status, error_message(rs.status, data), data)
+        async for data in iter_sse(rs):
+            if data == "[DONE]":
+                return
+            obj = json.loads(data)
+            if "error" in obj:
+                err = obj["error"] or {}
+                raise StreamError(err.get("message") or "the server reported an error")
+            for choice in obj.get("choices") or []:
+                text = (choice.get("delta") or {}).get("content")
+                if text:
+                    yield text
+        raise StreamError("the stream ended without [DONE]")
+
+
+def _connect_host(host: str) -> str:
+    # A listen address is not a destination: connect to loopback instead.
+    return {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1", "[::]": "::1"}.get(host, host.strip("[]"))
+
+
+def run_chat_command(prompt: str, host: str, port: int, ca_file: str | None, insecure: bool,
+                     max_tokens: int | None, temperature: float | None, system: str | None = None,
+                     model: str | None = None, connect_timeout: float = 5.0) -> int:
+    """`edged chat "PROMPT"`: stream the answer to stdout. 0 on success; 1 on any error (message on
+    stderr); 130 on Ctrl-C."""
+    messages: list[dict[str, Any]] = []
+    if system:
+        messages.append({"role": "system", "content": system})
+    messages.append({"role": "user", "content": prompt})
+    target = _connect_host(host)
+    where = f"{target}:{port}" if ":" not in target else f"[{target}]:{port}"
+
+    async def run() -> int:
+        client = H3Client(target, port, ca_file=ca_file, insecure=insecure, connect_timeout=connect_timeout)
+        try:
+            await client.connect()
+        except CertificateError as e:
+            hint = (f"pass --ca-file with the server's certificate (the daemon's own is <state_dir>/tls/cert.pem)"
+                    f" or --insecure to skip verification" + (f"; {ca_file} did not verify it" if ca_file else ""))
+            print(f"edged chat: {e}\n  hint: {hint}", file=sys.stderr)
+            return 1
+        except ConnectError as e:
+            print(f"edged chat: could not reach edged at {where} over HTTP/3 (QUIC/UDP): {e}\n"
+                  f"  hint: is the daemon running and UDP port {port} open?", file=sys.stderr)
+            return 1
+        wrote = False
+        try:
+            async for text in chat_stream(client, messages, model=model, max_tokens=max_tokens,
+                                          temperature=temperature):
+                sys.stdout.write(text)
+                sys.stdout.flush()
+                wrote = True
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+            return 0
+        except HTTPError as e:
+            if wrote:
+                sys.stdout.write("\n")
+            print(f"edged chat: the server refused the request (HTTP {e.status}): {e.message}", file=sys.stderr)
+            return 1
+        except H3ClientError as e:
+            if wrote:
+                sys.stdout.write("\n")
+            print(f"edged chat: generation failed: {e}", file=sys.stderr)
+            return 1
+        finally:
+            await client.close()
+
+    try:
+        return asyncio.run(run())
+    except KeyboardInterrupt:
+        sys.stdout.write("\n")
+        return 130

@@ -1,0 +1,540 @@
+"""HTTP/3 over QUIC: one protocol object per connection, one `RequestStream` per request.
+
+Modelled on aioquic's examples/http3_server.py: a sans-IO `QuicConnectionProtocol` subclass
+feeds QUIC events to an `H3Connection`; each request stream collects its headers and body and
+then runs the route handler (routes.py) as a task that writes the response back.
+
+A stream reset, a STOP_SENDING or a lost connection cancels the handler task, whose `finally`
+cancels the engine sequence. Writes wait (bounded) while a stream has too many unacknowledged
+bytes, so one slow client cannot grow memory without limit.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from aioquic.asyncio import QuicConnectionProtocol
+from aioquic.asyncio import serve as quic_serve
+from aioquic.asyncio.server import QuicServer
+from aioquic.h3.connection import H3_ALPN, ErrorCode, H3Connection
+from aioquic.h3.events import DataReceived, H3Event, HeadersReceived
+from aioquic.quic.configuration import QuicConfiguration
+from aioquic.quic.events import (
+    ConnectionTerminated,
+    ProtocolNegotiated,
+    QuicEvent,
+    StopSendingReceived,
+    StreamReset,
+)
+
+from edged.log import fields
+from edged.server import openai_wire as wire
+
+if TYPE_CHECKING:
+    from edged.server.routes import Router
+
+log = logging.getLogger("edged.server")
+
+REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+
+
+@dataclass(slots=True)
+class ServerSettings:
+    """What the HTTP/3 front end needs from config; may be replaced while running (live reload)."""
+
+    max_body_bytes: int = 1 << 20  # larger bodies: 413, as soon as the limit is crossed
+    default_max_tokens: int = 512  # when a request gives none (then also capped by the room left)
+    max_tokens_limit: int = 4096  # an explicit max_tokens above this: 400
+    default_tier: str = "default"  # the tier of a request that names none
+    body_timeout_s: float = 30.0  # headers seen but the body never ends: 408
+    idle_timeout_s: float = 60.0  # QUIC idle timeout (connection level)
+    keepalive_s: float = 15.0  # PING interval while a connection has requests in flight
+    send_high_water: int = 256 * 1024  # unacknowledged bytes per stream before a write waits
+    send_stall_timeout_s: float = 30.0  # a client that acknowledges nothing for this long is dropped
+    max_datagram_frame_size: int = 65536
+    tiers: tuple[str, ...] | None = None  # known tier names; None: accept any well-formed name
+    api_keys: dict[str, str] | None = None  # bearer key -> tier; None: no authentication
+    drain_retry_after_s: int = 5  # Retry-After of the 503 sent while shutting down
+    extra: dict[str, Any] = field(default_factory=dict)  # room for the lead's keys
+
+
+class RequestStream:
+    """One request: headers and body in, response out. The route handler only sees this object."""
+
+    def __init__(self, protocol: HttpServerProtocol, stream_id: int, raw_headers: list[tuple[bytes, bytes]]) -> None:
+        self.protocol = protocol
+        self.stream_id = stream_id
+        self.headers: dict[str, str] = {}
+        pseudo: dict[str, str] = {}
+        for k, v in raw_headers:
+            name = k.decode("latin-1").lower()
+            value = v.decode("latin-1")
+            if name.startswith(":"):
+                pseudo[name] = value
+            elif name in self.headers:
+                self.headers[name] += ", " + value
+            else:
+                self.headers[name] = value
+        self.method = pseudo.get(":method", "")
+        self.path, _, self.query = pseudo.get(":path", "").partition("?")
+        rid = self.headers.get("x-request-id", "")
+        self.request_id = rid if REQUEST_ID_RE.fullmatch(rid) else uuid.uuid4().hex
+        self.body = bytearray()
+        self.auth_tier: str | None = None  # set by the router when API keys are configured
+        self.status: int | None = None
+        self.headers_sent = False
+        self.finished = False  # the response ended cleanly
+        self.closed = False  # nothing more can be written (finished, reset, or connection gone)
+        self.cancel_reason: str | None = None
+        self.task: asyncio.Task[None] | None = None
+        self.started = protocol._loop.time()
+        self._dispatched = False
+        self._body_timer: asyncio.TimerHandle | None = None
+
+    @property
+    def settings(self) -> ServerSettings:
+        return self.protocol.server.settings
+
+    def header(self, name: str) -> str | None:
+        return self.headers.get(name)
+
+    # ---- request side (called by the protocol)
+
+    def on_headers(self, stream_ended: bool) -> None:
+        if not self.method or not self.path.startswith("/"):
+            self._reject(wire.WireError(400, "Missing or malformed :method / :path.", code="invalid_request"))
+            return
+        cl = self.headers.get("content-length", "")
+        if cl.isdigit() and int(cl) > self.settings.max_body_bytes:
+            self._reject(self._too_large(), stop_reading=True)
+            return
+        if stream_ended:
+            self._dispatch()
+        else:
+            self._body_timer = self.protocol._loop.call_later(self.settings.body_timeout_s, self._body_timed_out)
+
+    def on_data(self, data: bytes, stream_ended: bool) -> None:
+        if self._dispatched or self.closed:
+            return
+        self.body += data
+        if len(self.body) > self.settings.max_body_bytes:
+            self.body = bytearray()
+            self._reject(self._too_large(), stop_reading=True)
+            return
+        if stream_ended:
+            self._dispatch()
+
+    def on_end(self) -> None:
+        if not self._dispatched and not self.closed:
+            self._dispatch()
+
+    def _too_large(self) -> wire.WireError:
+        return wire.WireError(413, f"The request body exceeds {self.settings.max_body_bytes} bytes.",
+                              code="request_too_large")
+
+    def _body_timed_out(self) -> None:
+        self._body_timer = None
+        if not self._dispatched and not self.closed:
+            self._reject(wire.WireError(408, "Timed out waiting for the request body.", code="request_timeout"),
+                         stop_reading=True)
+
+    def _reject(self, err: wire.WireError, stop_reading: bool = False) -> None:
+        """Answer before any handler ran (bad framing, too large, too slow)."""
+        self._cancel_body_timer()
+        log.info("request rejected %s", fields(rid=self.request_id, method=self.method or "-",
+                                                   path=self.path or "-", status=err.status, code=err.code))
+        self.respond_error(err)
+        if stop_reading:
+            self.protocol.stop_reading(self.stream_id)
+        self.protocol.forget(self)
+
+    def _dispatch(self) -> None:
+        self._cancel_body_timer()
+        self._dispatched = True
+        server = self.protocol.server
+        self.task = self.protocol._loop.create_task(server.router.handle(self))
+        server._tasks.add(self.task)
+        self.task.add_done_callback(self._task_done)
+        self.protocol.ensure_keepalive()
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        self.protocol.server._tasks.discard(task)
+        self.protocol.forget(self)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("handler crashed %s", fields(rid=self.request_id, error=repr(task.exception())))
+        if not self.closed:  # the handler returned without ending the response: never leave it hanging
+            self.abort()
+
+    def _cancel_body_timer(self) -> None:
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
+
+    def cancel(self, reason: str) -> None:
+        """The client went away (reset, connection lost) or the server is stopping: stop the handler.
+
+        reason "shutdown" leaves the stream open so the handler can write a final error event.
+        """
+        if self.cancel_reason is not None or self.finished:
+            return
+        self.cancel_reason = reason
+        self._cancel_body_timer()
+        if reason != "shutdown":
+            if not self.closed and reason != "connection_lost":
+                self.protocol.reset_stream(self.stream_id)
+            self.closed = True
+        if self.task is not None and not self.task.done():
+            log.info("request cancelled %s", fields(rid=self.request_id, reason=reason))
+            self.task.cancel()
+        elif not self._dispatched:
+            self.protocol.forget(self)
+
+    # ---- response side (called by the route handler)
+
+    def _base_headers(self, status: int, content_type: str, extra: list[tuple[str, str]]) -> list[tuple[bytes, bytes]]:
+        h = [(b":status", str(status).encode()), (b"server", b"edged"), (b"x-request-id", self.request_id.encode()),
+             (b"content-type", content_type.encode())]
+        h += [(k.lower().encode("latin-1"), v.encode("latin-1", "replace")) for k, v in extra]
+        return h
+
+    def respond(self, status: int, body: bytes, content_type: str = "application/json",
+                headers: list[tuple[str, str]] | None = None) -> bool:
+        """Send a whole response at once. False if the stream can no longer be written."""
+        if self.headers_sent or self.closed:
+            return False
+        hdrs = self._base_headers(status, content_type, (headers or []) + [("content-length", str(len(body)))])
+        http = self.protocol.http
+        try:
+            http.send_headers(self.stream_id, hdrs, end_stream=not body)
+            if body:
+                http.send_data(self.stream_id, body, end_stream=True)
+        except Exception as e:  # the peer stopped the stream under us
+            log.debug("respond failed %s", fields(rid=self.request_id, error=repr(e)))
+            self.closed = True
+            return False
+        self.status = status
+        self.headers_sent = self.finished = self.closed = True
+        self.protocol.schedule_transmit()
+        return True
+
+    def respond_json(self, status: int, obj: Any, headers: list[tuple[str, str]] | None = None) -> bool:
+        return self.respond(status, wire.json_bytes(obj), "application/json", headers)
+
+    def respond_error(self, err: wire.WireError) -> bool:
+        return self.respond_json(err.status, err.body(), err.headers)
+
+    def start(self, status: int, content_type: str, headers: list[tuple[str, str]] | None = None) -> bool:
+        """Send the response headers of a streamed response."""
+        if self.headers_sent or self.closed:
+            return False
+        try:
+            self.protocol.http.send_headers(self.stream_id, self._base_headers(status, content_type, headers or []))
+        except Exception as e:
+            log.debug("start failed %s", fields(rid=self.request_id, error=repr(e)))
+            self.closed = True
+            return False
+        self.status = status
+        self.headers_sent = True
+        self.protocol.schedule_transmit()
+        return True
+
+    async def write(self, data: bytes) -> bool:
+        """Send a body chunk; waits while the client is behind. False: the stream is gone, stop producing."""
+        if self.closed:
+            return False
+        try:
+            self.protocol.http.send_data(self.stream_id, data, end_stream=False)
+        except Exception as e:
+            log.debug("write failed %s", fields(rid=self.request_id, error=repr(e)))
+            self.closed = True
+            return False
+        # Coalesced: every stream written in this loop iteration goes out in one transmit.
+        self.protocol.schedule_transmit()
+        if self.protocol.unacked(self.stream_id) > self.settings.send_high_water:
+            if not await self.protocol.wait_writable(self.stream_id, self.settings.send_stall_timeout_s):
+                log.warning("client stalled %s", fields(rid=self.request_id,
+                                                        unacked=self.protocol.unacked(self.stream_id)))
+                self.abort()
+                return False
+        return not self.closed
+
+    def finish(self, data: bytes = b"") -> bool:
+        """End the response (optionally with a last chunk)."""
+        if self.closed:
+            return False
+        try:
+            self.protocol.http.send_data(self.stream_id, data, end_stream=True)
+        except Exception as e:
+            log.debug("finish failed %s", fields(rid=self.request_id, error=repr(e)))
+            self.closed = True
+            return False
+        self.finished = self.closed = True
+        self.protocol.schedule_transmit()
+        return True
+
+    def abort(self) -> None:
+        """Reset the stream: the client sees the response end abnormally."""
+        if not self.closed:
+            self.closed = True
+            self.protocol.reset_stream(self.stream_id)
+
+
+class HttpServerProtocol(QuicConnectionProtocol):
+    """One QUIC connection carrying HTTP/3 requests."""
+
+    def __init__(self, *args: Any, server: EdgedServer, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.server = server
+        self._http: H3Connection | None = None
+        self._requests: dict[int, RequestStream] = {}
+        self._drain_waiters: dict[int, asyncio.Future[None]] = {}
+        self._keepalive: asyncio.TimerHandle | None = None
+
+    @property
+    def http(self) -> H3Connection:
+        assert self._http is not None
+        return self._http
+
+    def quic_event_received(self, event: QuicEvent) -> None:
+        # Never let an exception escape into the datagram transport: it is shared by all connections.
+        try:
+            self._quic_event(event)
+        except Exception:
+            log.exception("quic event failed %s", fields(event=type(event).__name__))
+
+    def _quic_event(self, event: QuicEvent) -> None:
+        if isinstance(event, ProtocolNegotiated):
+            if event.alpn_protocol in H3_ALPN:
+                self._http = H3Connection(self._quic)
+            return
+        if self._http is not None:
+            for h3_event in self._http.handle_event(event):
+                self._h3_event(h3_event)
+        if isinstance(event, (StreamReset, StopSendingReceived)):
+            rs = self._requests.get(event.stream_id)
+            if rs is not None:
+                rs.cancel("stream_reset" if isinstance(event, StreamReset) else "stop_sending")
+        elif isinstance(event, ConnectionTerminated):
+            for rs in list(self._requests.values()):
+                rs.cancel("connection_lost")
+            self._requests.clear()
+            for fut in self._drain_waiters.values():
+                if not fut.done():
+                    fut.set_result(None)
+            if self._keepalive is not None:
+                self._keepalive.cancel()
+                self._keepalive = None
+            self.server._protocols.discard(self)
+
+    def _h3_event(self, event: H3Event) -> None:
+        if isinstance(event, HeadersReceived):
+            rs = self._requests.get(event.stream_id)
+            if rs is not None:  # trailers
+                if event.stream_ended:
+                    rs.on_end()
+                return
+            if not any(k == b":method" for k, _ in event.headers):
+                return  # trailers of a stream we already answered
+            rs = RequestStream(self, event.stream_id, event.headers)
+            self._requests[event.stream_id] = rs
+            rs.on_headers(event.stream_ended)
+        elif isinstance(event, DataReceived):
+            rs = self._requests.get(event.stream_id)
+            if rs is not None:
+                rs.on_data(event.data, event.stream_ended)
+
+    # ---- helpers for RequestStream
+
+    def forget(self, rs: RequestStream) -> None:
+        if self._requests.get(rs.stream_id) is rs:
+            del self._requests[rs.stream_id]
+
+    def schedule_transmit(self) -> None:
+        self._transmit_soon()
+
+    def transmit(self) -> None:
+        if self._transport is None or self._transport.is_closing():  # the server was closed
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+            return
+        super().transmit()
+
+    def reset_stream(self, stream_id: int) -> None:
+        try:
+            self._quic.reset_stream(stream_id, ErrorCode.H3_REQUEST_CANCELLED)
+        except Exception as e:
+            log.debug("reset failed %s", fields(stream=stream_id, error=repr(e)))
+        self.schedule_transmit()
+
+    def stop_reading(self, stream_id: int) -> None:
+        """Ask the client to stop sending the request body (RFC 9114 4.1.1: H3_NO_ERROR)."""
+        try:
+            self._quic.stop_stream(stream_id, ErrorCode.H3_NO_ERROR)
+        except Exception as e:
+            log.debug("stop_sending failed %s", fields(stream=stream_id, error=repr(e)))
+        self.schedule_transmit()
+
+    def unacked(self, stream_id: int) -> int:
+        """Bytes written to a stream and not yet acknowledged by the peer.
+
+        aioquic has no public accessor; the sender keeps exactly these bytes in `_buffer`.
+        """
+        stream = self._quic._streams.get(stream_id)
+        if stream is None:
+            return 0
+        return len(getattr(stream.sender, "_buffer", b""))
+
+    async def wait_writable(self, stream_id: int, timeout: float) -> bool:
+        fut = self._loop.create_future()
+        self._drain_waiters[stream_id] = fut
+        try:
+            await asyncio.wait_for(fut, timeout)
+            return True
+        except TimeoutError:
+            return False
+        finally:
+            if self._drain_waiters.get(stream_id) is fut:
+                del self._drain_waiters[stream_id]
+
+    def datagram_received(self, data: bytes | str, addr: Any) -> None:
+        super().datagram_received(data, addr)
+        if self._drain_waiters:  # acknowledgements may have freed room
+            low = self.server.settings.send_high_water // 2
+            for sid, fut in list(self._drain_waiters.items()):
+                if not fut.done() and self.unacked(sid) <= low:
+                    fut.set_result(None)
+
+    def ensure_keepalive(self) -> None:
+        if self._keepalive is None:
+            self._keepalive = self._loop.call_later(self.server.settings.keepalive_s, self._keepalive_tick)
+
+    def _keepalive_tick(self) -> None:
+        # A request may wait long for its first token; PINGs keep the idle timer of both ends from firing.
+        self._keepalive = None
+        if not self._requests or self._closed.is_set():
+            return
+        self._quic.send_ping(0)
+        self.transmit()
+        self.ensure_keepalive()
+
+
+class EdgedServer:
+    """The running HTTP/3 server: `close()`, `await shutdown(timeout)`, `port`, live `settings`."""
+
+    def __init__(self, engine: Any, settings: ServerSettings, router: Router) -> None:
+        self.engine = engine
+        self.router = router
+        self._settings = settings
+        self._quic_server: QuicServer | None = None
+        self._protocols: set[HttpServerProtocol] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._closed = False
+
+    @property
+    def settings(self) -> ServerSettings:
+        return self._settings
+
+    @settings.setter
+    def settings(self, value: ServerSettings) -> None:
+        """Live reload: takes effect for new requests (the QUIC idle timeout only for new connections)."""
+        self._settings = value
+        self.router.settings = value
+
+    @property
+    def address(self) -> tuple[str, int]:
+        assert self._quic_server is not None and self._quic_server._transport is not None
+        sockname = self._quic_server._transport.get_extra_info("sockname")
+        return sockname[0], sockname[1]
+
+    @property
+    def port(self) -> int:
+        return self.address[1]
+
+    def active_requests(self) -> int:
+        return len(self._tasks)
+
+    def _create_protocol(self, quic: Any, stream_handler: Any = None) -> HttpServerProtocol:
+        proto = HttpServerProtocol(quic, server=self)
+        self._protocols.add(proto)
+        return proto
+
+    def _all_requests(self) -> list[RequestStream]:
+        return [rs for p in list(self._protocols) for rs in list(p._requests.values())]
+
+    async def shutdown(self, timeout: float = 30.0) -> None:
+        """Drain: refuse new requests (503), let in-flight ones finish for up to `timeout` seconds,
+        end the rest with a final error event, then close."""
+        loop = asyncio.get_running_loop()
+        self.router.draining = True
+        deadline = loop.time() + timeout
+        in_flight = len(self._tasks)
+        while self._tasks and loop.time() < deadline:
+            await asyncio.wait(set(self._tasks), timeout=deadline - loop.time())
+        left = list(self._tasks)
+        for rs in self._all_requests():
+            rs.cancel("shutdown")
+        if left:
+            await asyncio.wait(left, timeout=2.0)
+        # Let the final bytes reach the clients before the connections go.
+        end = loop.time() + 1.0
+        while loop.time() < end and self._any_unacked():
+            await asyncio.sleep(0.02)
+        log.info("server drained %s", fields(in_flight=in_flight, cut_off=len(left)))
+        self.close()
+
+    def _any_unacked(self) -> bool:
+        for p in self._protocols:
+            for sid in list(p._quic._streams):
+                if p.unacked(sid):
+                    return True
+        return False
+
+    def close(self) -> None:
+        """Stop at once: cancel every request (and so its engine sequence), close connections and socket."""
+        if self._closed:
+            return
+        self._closed = True
+        self.router.draining = True
+        for rs in self._all_requests():
+            rs.cancel("server_closed")
+        if self._quic_server is not None:
+            self._quic_server.close()
+        self._protocols.clear()
+        log.info("server closed")
+
+    async def wait_closed(self) -> None:
+        """After close(): wait (briefly) for the cancelled handlers to run their cleanup."""
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=5.0)
+
+
+async def serve(
+    engine: Any,
+    host: str,
+    port: int,
+    certfile: str,
+    keyfile: str,
+    settings: ServerSettings | None = None,
+) -> EdgedServer:
+    """Listen for HTTP/3 on UDP host:port (IPv4 or IPv6; port 0 picks a free one) and serve `engine`."""
+    from edged.server.routes import Router
+
+    settings = settings or ServerSettings()
+    config = QuicConfiguration(
+        is_client=False,
+        alpn_protocols=H3_ALPN,
+        max_datagram_frame_size=settings.max_datagram_frame_size,
+        idle_timeout=settings.idle_timeout_s,
+    )
+    config.load_cert_chain(certfile, keyfile)
+    router = Router(engine, settings)
+    server = EdgedServer(engine, settings, router)
+    server._quic_server = await quic_serve(host, port, configuration=config, create_protocol=server._create_protocol)
+    h, p = server.address
+    log.info("listening %s", fields(proto="h3", host=h, port=p, model=getattr(engine, "model_id", "?")))
+    return server

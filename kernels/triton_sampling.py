@@ -1,0 +1,59 @@
+"""`sample` on the GPU. Greedy rows are logits.argmax, as in the reference. Sampled rows use the
+reference's counter-based uniforms, computed here by a Triton kernel in uint32 arithmetic (bit-exact
+with reference.sampling_uniform), then the same top-k/top-p filter and Gumbel-max argmax in torch."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .reference import apply_top_k_top_p
+
+
+@triton.jit
+def _mix32(x):
+    # lowbias32, as reference._mix32; uint32 products wrap mod 2**32
+    x = x ^ (x >> 16)
+    x = x * tl.full(x.shape, 0x7FEB352D, tl.uint32)
+    x = x ^ (x >> 15)
+    x = x * tl.full(x.shape, 0x846CA68B, tl.uint32)
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _uniform_kernel(seed_ptr, offset_ptr, out_ptr, vocab, stride_o, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    idx = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    # int64 -> uint32 keeps the low 32 bits, as the reference's & 0xFFFFFFFF
+    seed = tl.load(seed_ptr + row).to(tl.uint32)
+    off = tl.load(offset_ptr + row).to(tl.uint32)
+    key = _mix32(off ^ _mix32(tl.full([BLOCK], 0, tl.uint32) + seed))
+    h = _mix32(idx.to(tl.uint32) ^ key)
+    u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+    tl.store(out_ptr + row * stride_o + idx, u, mask=idx < vocab)
+
+
+def sampling_uniform(seeds: torch.Tensor, offsets: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[B, vocab] float32 uniforms in (0, 1), equal bit for bit to reference.sampling_uniform."""
+    rows = seeds.shape[0]
+    out = torch.empty(rows, vocab, dtype=torch.float32, device=seeds.device)
+    if rows == 0 or vocab == 0:
+        return out
+    block = min(4096, triton.next_power_of_2(vocab))
+    _uniform_kernel[(rows, triton.cdiv(vocab, block))](seeds.to(torch.int64), offsets.to(torch.int64), out,
+                                                        vocab, out.stride(0), BLOCK=block, num_warps=4)
+    return out
+
+
+def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+           seeds: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Next token per row of logits [B,V]: argmax where temperature == 0, else a seeded Gumbel-max draw."""
+    logits = logits.to(torch.float32)
+    greedy = logits.argmax(dim=-1)
+    if bool((temperature <= 0).all()):
+        return greedy
+    temp = torch.where(temperature > 0, temperature, 1.0).to(torch.float32)[:, None]
+    filtered = apply_top_k_top_p(logits / temp, top_k, top_p.to(torch.float32))
+    u = sampling_uniform(seeds, offsets, logits.shape[-1])
+    drawn = (filtered - torch.log(-torch.log(u))).argmax(dim=-1)
+    return torch.where(temperature > 0, drawn, greedy)

@@ -1,0 +1,134 @@
+"""Load a Hugging Face model directory: config.json, *.safetensors, tokenizer.json, the chat template."""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from .chat_template import ChatTemplate, pick_template
+from .config import ModelConfig
+from .loader import LoadedModel
+from .runtime_weights import Named
+from .tokenizer import Tokenizer
+
+log = logging.getLogger("edged.models")
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+def load_hf(path: str | Path, model_id: str | None = None) -> LoadedModel:
+    root = Path(path)
+    model_id = model_id or root.name
+    raw = _read_json(root / "config.json")
+    tokenizer_config = _read_json(root / "tokenizer_config.json", missing_ok=True)
+    tokenizer_file = root / "tokenizer.json"
+    if not tokenizer_file.is_file():
+        raise FileNotFoundError(f"{root} has no tokenizer.json (only fast tokenizers are supported)")
+    tokenizer = Tokenizer.from_file(tokenizer_file)
+    tokenizer.bos_token_id = _bos_id(raw, tokenizer_config, tokenizer)
+    tokenizer.eos_token_ids = _eos_ids(raw, _read_json(root / "generation_config.json", missing_ok=True),
+                                       tokenizer_config, tokenizer)
+    config = config_from_hf(raw, tokenizer, model_id)
+    named = load_safetensors(root)
+    log.info("loaded %s: %s, %d tensors", root, raw.get("model_type"), len(named))
+    template = ChatTemplate(_chat_template(root, tokenizer_config), tokenizer.bos_token, tokenizer.eos_token)
+    return LoadedModel(config, named, tokenizer, template, model_id, root)
+
+
+def config_from_hf(raw: dict[str, Any], tokenizer: Tokenizer, name: str) -> ModelConfig:
+    model_type = raw.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+    if raw.get("mlp_bias"):
+        raise ValueError("mlp_bias is not supported")
+    if raw.get("sliding_window") and raw.get("use_sliding_window", model_type == "mistral"):
+        log.warning("%s: sliding window attention (%s) is not applied; attention is full", name, raw["sliding_window"])
+    rope = raw.get("rope_parameters") or {}  # transformers 5 nests rope_theta and the scaling here
+    scaling = raw.get("rope_scaling") or rope
+    if scaling.get("rope_type", scaling.get("type")) in (None, "default"):
+        scaling = None
+    heads = raw["num_attention_heads"]
+    return ModelConfig(
+        vocab_size=raw["vocab_size"],
+        hidden_size=raw["hidden_size"],
+        intermediate_size=raw["intermediate_size"],
+        num_layers=raw["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=raw.get("num_key_value_heads") or heads,
+        head_dim=raw.get("head_dim") or 0,
+        rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+        rope_theta=raw.get("rope_theta", rope.get("rope_theta", 10000.0)),
+        rope_scaling=dict(scaling) if scaling else None,
+        max_position_embeddings=raw.get("max_position_embeddings", 2048),
+        tie_word_embeddings=raw.get("tie_word_embeddings", False),
+        attention_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),  # Qwen2 always has q/k/v bias
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_ids=list(tokenizer.eos_token_ids),
+        name=name,
+    )
+
+
+def load_safetensors(root: Path) -> Named:
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{root} has no *.safetensors files")
+    named: Named = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                if key.endswith("rotary_emb.inv_freq"):  # recomputed from the config
+                    continue
+                named[key] = f.get_tensor(key).to(torch.float32)
+    return named
+
+
+def _read_json(path: Path, missing_ok: bool = False) -> dict[str, Any]:
+    if not path.is_file():
+        if missing_ok:
+            return {}
+        raise FileNotFoundError(f"{path} does not exist")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from e
+
+
+def _token_text(value: str | dict | None) -> str | None:
+    """tokenizer_config.json spells a special token as a string or as an AddedToken dict."""
+    return value.get("content") if isinstance(value, dict) else value
+
+
+def _ids(value: int | list[int] | None) -> list[int]:
+    if value is None:
+        return []
+    return [value] if isinstance(value, int) else list(value)
+
+
+def _bos_id(config: dict, tokenizer_config: dict, tokenizer: Tokenizer) -> int | None:
+    if config.get("bos_token_id") is not None:
+        return _ids(config["bos_token_id"])[0]
+    text = _token_text(tokenizer_config.get("bos_token"))
+    return tokenizer.token_to_id(text) if text else None
+
+
+def _eos_ids(config: dict, generation_config: dict, tokenizer_config: dict, tokenizer: Tokenizer) -> list[int]:
+    """generation_config.json first (what HF generate stops at), then config.json, then the tokenizer's."""
+    ids = _ids(generation_config.get("eos_token_id")) + _ids(config.get("eos_token_id"))
+    text = _token_text(tokenizer_config.get("eos_token"))
+    if text and tokenizer.token_to_id(text) is not None:
+        ids.append(tokenizer.token_to_id(text))
+    return list(dict.fromkeys(ids))
+
+
+def _chat_template(root: Path, tokenizer_config: dict) -> str | None:
+    jinja_file = root / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text(encoding="utf-8")
+    json_file = root / "chat_template.json"
+    if json_file.is_file():
+        return pick_template(_read_json(json_file).get("chat_template"))
+    return pick_template(tokenizer_config.get("chat_template"))

@@ -1,0 +1,358 @@
+"""Every Triton kernel against its plain-torch reference, on the CPU under Triton's interpreter.
+
+Small shapes, float16 and float32 (the interpreter computes bfloat16 wrongly).
+
+The interpreter has to be on before `import triton` (triton's own tl.zeros, tl.sum, ... are jit
+functions too), and it must stay off for the GPU tests in the same pytest process. So unless this
+process already runs interpreted (TRITON_INTERPRET=1 from the start), the first test runs this file
+once in a child pytest with TRITON_INTERPRET=1, and every test here reports its own result from that
+run. Run `TRITON_INTERPRET=1 pytest tests/test_kernels_triton.py` to see tracebacks directly.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+
+from edged.kernels import reference
+from edged.kernels.weights import LinearWeight, quantize_w4, quantize_w8
+
+pytest.importorskip("triton")
+
+
+def _interpreter_active() -> bool:
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(tl.zeros, InterpretedFunction)  # False if triton was imported before the variable
+
+
+INTERPRETED = _interpreter_active()
+if INTERPRETED:
+    from edged.kernels import triton_attention as tattn
+    from edged.kernels import triton_linear as tlin
+    from edged.kernels import triton_ops as ops
+    from edged.kernels import triton_sampling as tsamp
+
+_CHILD_RESULTS: dict[str, tuple[str, str]] | None = None
+
+
+def _child_results() -> dict[str, tuple[str, str]]:
+    """{test name: (outcome, detail)} from one interpreted child run of this file."""
+    global _CHILD_RESULTS
+    if _CHILD_RESULTS is None:
+        with tempfile.TemporaryDirectory() as tmp:
+            report = Path(tmp) / "report.xml"
+            env = dict(os.environ, TRITON_INTERPRET="1")
+            proc = subprocess.run(
+                [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", f"--junitxml={report}"],
+                env=env, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True)
+            tail = (proc.stdout + proc.stderr)[-6000:]
+            results: dict[str, tuple[str, str]] = {"": ("missing", tail)}
+            if report.exists():
+                for case in ET.parse(report).getroot().iter("testcase"):
+                    outcome, detail = "passed", ""
+                    for tag in ("failure", "error", "skipped"):
+                        el = case.find(tag)
+                        if el is not None:
+                            outcome = "skipped" if tag == "skipped" else "failed"
+                            detail = (el.get("message") or "") + "\n" + (el.text or "")
+                            break
+                    results[case.get("name", "")] = (outcome, detail)
+            _CHILD_RESULTS = results
+    return _CHILD_RESULTS
+
+
+def _replay(outcome: str, detail: str) -> Callable[..., None]:
+    def run(**_: object) -> None:
+        if outcome != "passed":
+            pytest.fail(f"in the interpreted child run: {outcome}\n{detail}", pytrace=False)
+
+    return run
+
+
+@pytest.fixture(autouse=True)
+def _interpreted_run(request: pytest.FixtureRequest) -> None:
+    """Outside the interpreter, swap each test's body for its outcome in the child run."""
+    if INTERPRETED:
+        return
+    results = _child_results()
+    outcome, detail = results.get(request.node.name, ("missing", results[""][1]))
+    if outcome == "skipped":
+        pytest.skip(detail.strip().splitlines()[0] if detail.strip() else "skipped in the child run")
+    request.node.obj = _replay(outcome, detail)
+
+
+DTYPES = [torch.float16, torch.float32]
+TOL = {torch.float16: dict(atol=2e-2, rtol=2e-2), torch.float32: dict(atol=1e-4, rtol=1e-4)}
+
+
+def test_kernels_are_interpreted() -> None:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    assert isinstance(tlin._gemv_kernel, InterpretedFunction)
+
+
+# ---------------------------------------------------------------------------------------------- linear
+
+def _weight(fmt: str, n: int, k: int, dtype: torch.dtype, bias: bool, group: int = 32) -> LinearWeight:
+    g = torch.Generator().manual_seed(n * 131 + k)
+    dense = torch.randn(n, k, generator=g) * 0.1
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
+    if fmt == "dense":
+        return LinearWeight("dense", dense.to(dtype), bias=b)
+    w = quantize_w8(dense, b) if fmt == "w8" else quantize_w4(dense, group, b)
+    w.scale = w.scale.to(dtype)
+    if w.minimum is not None:
+        w.minimum = w.minimum.to(dtype)
+    return w
+
+
+def _check_linear(x: torch.Tensor, w: LinearWeight, config=None) -> None:
+    got = tlin.linear(x, w, config)
+    want = reference.linear(x.to(torch.float32), _as_f32(w)).to(x.dtype)
+    assert got.shape == want.shape and got.dtype == x.dtype
+    scale = want.abs().max().item() + 1e-3
+    tol = 4e-3 if x.dtype == torch.float16 else 2e-5
+    assert (got.float() - want.float()).abs().max().item() <= tol * scale * max(1.0, x.shape[-1] / 256) ** 0.5
+
+
+def _as_f32(w: LinearWeight) -> LinearWeight:
+    def f(t):
+        return None if t is None else (t.to(torch.float32) if t.is_floating_point() else t)
+
+    return LinearWeight(w.format, f(w.data), f(w.scale), f(w.minimum), w.group_size, f(w.bias))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fmt", ["dense", "w8", "w4"])
+@pytest.mark.parametrize("m", [1, 5, 40])
+def test_linear_formats(fmt: str, m: int, dtype: torch.dtype) -> None:
+    torch.manual_seed(m)
+    w = _weight(fmt, 72, 256, dtype, bias=(m != 5))
+    x = torch.randn(m, 256).to(dtype)
+    _check_linear(x, w)
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_linear_w4_groups_gemv_split(group: int) -> None:
+    torch.manual_seed(group)
+    w = _weight("w4", 40, 512, torch.float16, bias=True, group=group)
+    x = torch.randn(1, 512).to(torch.float16)
+    # two groups per step, three K splits with a ragged last split
+    cfg = tlin.LinearConfig("gemv", 1, 16, 2 * group, split=3)
+    _check_linear(x, w, cfg)
+    _check_linear(x, w, tlin.LinearConfig("gemv", 1, 16, group, split=1))
+
+
+@pytest.mark.parametrize("fmt", ["dense", "w8"])
+def test_linear_gemv_ragged_k(fmt: str) -> None:
+    torch.manual_seed(0)
+    w = _weight(fmt, 33, 200, torch.float32, bias=True)  # K not a multiple of the block, N of the rows
+    x = torch.randn(1, 200)
+    _check_linear(x, w, tlin.LinearConfig("gemv", 1, 16, 64, split=2))
+    _check_linear(x, w, tlin.LinearConfig("gemv", 1, 16, 64, split=1))
+
+
+@pytest.mark.parametrize("fmt", ["dense", "w8", "w4"])
+def test_linear_matmul_split_and_3d(fmt: str) -> None:
+    torch.manual_seed(1)
+    w = _weight(fmt, 48, 192, torch.float16, bias=True, group=64)
+    x = torch.randn(2, 9, 192).to(torch.float16)  # leading dims flatten to M = 18
+    _check_linear(x, w, tlin.LinearConfig("matmul", 16, 32, 64, split=2))
+    xs = torch.randn(3, 400).to(torch.float16)[:, :192]  # strided rows
+    _check_linear(xs, w, tlin.LinearConfig("matmul", 16, 32, 128, split=1))
+
+
+# ------------------------------------------------------------------------------------- norm and friends
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(5, 96).to(dtype)
+    r = torch.randn(5, 96).to(dtype)
+    w = (1 + 0.1 * torch.randn(96)).to(dtype)
+    out, h = ops.rms_norm(x, w, 1e-5, r)
+    ref_out, ref_h = reference.rms_norm(x, w, 1e-5, r)
+    assert torch.equal(h, ref_h)
+    torch.testing.assert_close(out, ref_out, **TOL[dtype])
+    out, h = ops.rms_norm(x, w, 1e-6)
+    torch.testing.assert_close(out, reference.rms_norm(x, w, 1e-6)[0], **TOL[dtype])
+    assert h is x
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    x = (3 * torch.randn(3, 2, 2 * 80)).to(dtype)
+    torch.testing.assert_close(ops.silu_and_mul(x), reference.silu_and_mul(x), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_in_place_on_strided_views(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    hq, hk, d, t = 4, 2, 32, 6
+    qkv = torch.randn(t, (hq + 2 * hk) * d).to(dtype)
+    pos = torch.tensor([0, 1, 2, 7, 8, 30])
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    f = torch.outer(torch.arange(64, dtype=torch.float64), inv)
+    cs = torch.cat((f.cos(), f.sin()), -1).float()
+    ref = qkv.clone()
+    for buf, fn in ((qkv, ops.rope), (ref, reference.rope)):
+        q = buf[:, :hq * d].view(t, hq, d)
+        k = buf[:, hq * d:(hq + hk) * d].view(t, hk, d)
+        fn(q, k, pos, cs)
+    torch.testing.assert_close(qkv, ref, **TOL[dtype])
+
+
+# -------------------------------------------------------------------------------------------- KV cache
+
+def _paged(ctx_lens: list[int], hkv: int, d: int, block: int, dtype: torch.dtype, int8: bool, seed: int = 0):
+    """A cache holding random K/V for sequences of ctx_lens tokens, in shuffled blocks, written by the
+    reference; returns (k_cache, v_cache, k_scale, v_scale, block_tables)."""
+    g = torch.Generator().manual_seed(seed)
+    width = max(-(-c // block) for c in ctx_lens) + 1
+    n_blocks = sum(-(-c // block) for c in ctx_lens) + 3
+    perm = torch.randperm(n_blocks, generator=g).tolist()
+    tables = torch.zeros(len(ctx_lens), width, dtype=torch.int32)
+    store = torch.int8 if int8 else dtype
+    kc = torch.zeros(n_blocks, block, hkv, d, dtype=store)
+    vc = torch.zeros_like(kc)
+    ks = torch.zeros(n_blocks, block, hkv) if int8 else None
+    vs = torch.zeros_like(ks) if int8 else None
+    used = 0
+    for b, c in enumerate(ctx_lens):
+        nb = -(-c // block)
+        tables[b, :nb] = torch.tensor(perm[used:used + nb], dtype=torch.int32)
+        used += nb
+        slots = torch.tensor([int(tables[b, p // block]) * block + p % block for p in range(c)], dtype=torch.int64)
+        k = torch.randn(c, hkv, d, generator=g).to(dtype)
+        v = torch.randn(c, hkv, d, generator=g).to(dtype)
+        reference.write_kv(k, v, kc, vc, slots, ks, vs)
+    return kc, vc, ks, vs, tables
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("int8", [False, True])
+def test_write_kv(dtype: torch.dtype, int8: bool) -> None:
+    torch.manual_seed(0)
+    n, s, h, d, t = 4, 8, 2, 32, 7
+    k = (3 * torch.randn(t, h, d)).to(dtype)
+    v = torch.randn(t, h, d).to(dtype)
+    k[2, 1] = 0  # all-zero head: the scale clamps to 1e-6 / 127
+    k[3, 0, 5] = 127 * 0.5 / 127  # exact halves exercise round-half-to-even
+    slots = torch.tensor([0, 5, -1, 9, 31, -1, 17], dtype=torch.int64)
+    store = torch.int8 if int8 else dtype
+    caches = [torch.full((n, s, h, d), 3, dtype=store) for _ in range(4)]
+    scales = [torch.full((n, s, h), -1.0) if int8 else None for _ in range(4)]
+    ops.write_kv(k, v, caches[0], caches[1], slots, scales[0], scales[1])
+    reference.write_kv(k, v, caches[2], caches[3], slots, scales[2], scales[3])
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    if int8:
+        assert torch.equal(scales[0], scales[2]) and torch.equal(scales[1], scales[3])
+
+
+def test_write_kv_int8_exact_on_ties() -> None:
+    # values that land exactly on .5 after scaling: amax 127 -> scale 1.0
+    k = torch.tensor([[[127.0, 0.5, 1.5, 2.5, -0.5, -1.5, 3.49, -126.5]]])
+    kc, vc = torch.zeros(1, 2, 1, 8, dtype=torch.int8), torch.zeros(1, 2, 1, 8, dtype=torch.int8)
+    ks, vs = torch.zeros(1, 2, 1), torch.zeros(1, 2, 1)
+    ops.write_kv(k, k, kc, vc, torch.tensor([1]), ks, vs)
+    want, scale = reference.quantize_kv_int8(k)
+    assert torch.equal(kc[0, 1], want[0]) and torch.equal(ks[0, 1], scale[0])
+
+
+# ------------------------------------------------------------------------------------------- attention
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("int8", [False, True])
+@pytest.mark.parametrize("hq,hkv", [(4, 2), (3, 1)])
+def test_attention_decode(dtype: torch.dtype, int8: bool, hq: int, hkv: int) -> None:
+    torch.manual_seed(0)
+    d, block = 32, 8
+    ctx = [1, 13, 40]
+    kc, vc, ks, vs, tables = _paged(ctx, hkv, d, block, dtype, int8)
+    q = torch.randn(len(ctx), hq, d).to(dtype)
+    lens = torch.tensor(ctx, dtype=torch.int32)
+    want = reference.attention_decode(q, kc, vc, tables, lens, d ** -0.5, ks, vs)
+    for splits in (1, 3):
+        got = tattn.attention_decode(q, kc, vc, tables, lens, d ** -0.5, ks, vs, num_splits=splits)
+        torch.testing.assert_close(got, want, **TOL[dtype])
+
+
+def test_attention_decode_default_splits_and_strided_q() -> None:
+    torch.manual_seed(1)
+    hq, hkv, d = 4, 1, 64
+    kc, vc, _, _, tables = _paged([70, 5], hkv, d, 16, torch.float32, False, seed=3)
+    qkv = torch.randn(2, (hq + 2 * hkv) * d)
+    q = qkv[:, :hq * d].view(2, hq, d)  # a view into the fused qkv projection
+    lens = torch.tensor([70, 5], dtype=torch.int32)
+    got = ops.attention_decode(q, kc, vc, tables, lens, 0.125)
+    want = reference.attention_decode(q, kc, vc, tables, lens, 0.125)
+    torch.testing.assert_close(got, want, **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("int8", [False, True])
+def test_attention_prefill_with_cached_prefix(dtype: torch.dtype, int8: bool) -> None:
+    torch.manual_seed(0)
+    hq, hkv, d, block = 4, 2, 32, 8
+    ctx = [19, 5, 12, 33]  # cached prefix + new tokens
+    new = [19, 3, 0, 20]  # a full prompt, two chunks with a prefix, and a sequence without new tokens
+    kc, vc, ks, vs, tables = _paged(ctx, hkv, d, block, dtype, int8, seed=2)
+    cu = torch.tensor([0] + list(torch.tensor(new).cumsum(0)), dtype=torch.int32)
+    q = torch.randn(sum(new), hq, d).to(dtype)
+    lens = torch.tensor(ctx, dtype=torch.int32)
+    want = reference.attention_prefill(q, kc, vc, tables, cu, lens, d ** -0.5, ks, vs)
+    got = tattn.attention_prefill(q, kc, vc, tables, cu, lens, d ** -0.5, ks, vs)
+    torch.testing.assert_close(got, want, **TOL[dtype])
+
+
+def test_attention_prefill_gqa_odd_group_and_head_dim() -> None:
+    torch.manual_seed(0)
+    hq, hkv, d, block = 6, 2, 40, 4  # group 3, head_dim not a power of two
+    ctx, new = [9, 17], [9, 6]
+    kc, vc, ks, vs, tables = _paged(ctx, hkv, d, block, torch.float32, False, seed=5)
+    cu = torch.tensor([0, 9, 15], dtype=torch.int32)
+    q = torch.randn(15, hq, d)
+    lens = torch.tensor(ctx, dtype=torch.int32)
+    want = reference.attention_prefill(q, kc, vc, tables, cu, lens, 0.2)
+    got = tattn.attention_prefill(q, kc, vc, tables, cu, lens, 0.2, block_m=16)
+    torch.testing.assert_close(got, want, **TOL[torch.float32])
+
+
+# -------------------------------------------------------------------------------------------- sampling
+
+def test_sampling_uniform_bit_exact() -> None:
+    seeds = torch.tensor([0, 1, 2**31 + 5, -7, 2**40 + 3], dtype=torch.int64)
+    offsets = torch.tensor([0, 9, 2**32 - 1, 3, 123456], dtype=torch.int64)
+    got = tsamp.sampling_uniform(seeds, offsets, 1000)
+    want = reference.sampling_uniform(seeds, offsets, 1000)
+    assert torch.equal(got, want)
+
+
+def test_sample_matches_reference() -> None:
+    torch.manual_seed(0)
+    b, v = 6, 500
+    logits = torch.randn(b, v) * 3
+    temperature = torch.tensor([0.0, 0.7, 1.0, 1.3, 0.0, 0.9])
+    top_k = torch.tensor([0, 0, 20, 5, 3, 0])
+    top_p = torch.tensor([1.0, 0.9, 1.0, 0.5, 1.0, 0.3])
+    seeds = torch.tensor([1, 2, 3, 4, 5, 6])
+    for step in range(3):
+        offsets = torch.full((b,), step)
+        got = ops.sample(logits, temperature, top_k, top_p, seeds, offsets)
+        want = reference.sample(logits, temperature, top_k, top_p, seeds, offsets)
+        assert torch.equal(got, want)
+    greedy = torch.zeros(b)
+    assert torch.equal(ops.sample(logits.half(), greedy, top_k, top_p, seeds, offsets),
+                       reference.sample(logits.half(), greedy, top_k, top_p, seeds, offsets))
