@@ -8,6 +8,8 @@ from edged.models.batch import AttentionMetadata, KVCache
 from edged.models.llama import LlamaModel
 from edged.scheduler.batcher import StepPlan
 
+from .cuda_graphs import DecodeGraphs
+
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, kv: KVCache) -> None:
@@ -15,6 +17,15 @@ class ModelRunner:
         self.kv = kv
         self.device = model.device
         self.block_size = kv.block_size
+        self.graphs: DecodeGraphs | None = None
+
+    def enable_cuda_graphs(self, max_batch: int, max_model_len: int) -> None:
+        """Capture decode graphs for batches up to max_batch (CUDA only)."""
+        if self.device.type != "cuda":
+            return
+        max_blocks = -(-max_model_len // self.block_size)
+        self.graphs = DecodeGraphs(self.model, self.kv, max_batch, max_blocks)
+        self.graphs.capture()
 
     def _tensor(self, data: list, dtype: torch.dtype) -> torch.Tensor:
         t = torch.tensor(data, dtype=dtype)
@@ -55,11 +66,15 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> list[int | None]:
         """Run one step; returns the sampled token per chunk (None where a prompt is not done yet)."""
         input_ids, positions, meta, rows = self.prepare(plan)
-        hidden = self.model.forward(input_ids, positions, meta, self.kv)
         if not rows:
+            self.model.forward(input_ids, positions, meta, self.kv)
             return [None] * len(plan.chunks)
+        if meta.is_decode and self.graphs is not None and self.graphs.bucket_for(len(rows)) is not None:
+            logits = self.graphs.replay(input_ids, positions, meta)
+        else:
+            hidden = self.model.forward(input_ids, positions, meta, self.kv)
+            logits = self.model.logits(hidden[self._tensor(rows, torch.int64)])
         sampled_seqs = [c.seq for c in plan.chunks if c.completes_prompt]
-        logits = self.model.logits(hidden[self._tensor(rows, torch.int64)])
         sp = [s.request.sampling for s in sampled_seqs]
         tokens = kernels.sample(
             logits,

@@ -38,6 +38,7 @@ class EngineSettings:
     max_batch_tokens: int = 2048
     prefix_caching: bool = True
     num_kv_blocks: int | None = None  # None: sized from free memory
+    cuda_graphs: bool = True
 
     @classmethod
     def from_config(cls, model_section: object, prefix_caching: bool = True) -> "EngineSettings":
@@ -92,7 +93,10 @@ def build_engine(loaded: LoadedModel, settings: EngineSettings) -> AsyncEngine:
                           device, int8_kv)
     blocks = BlockManager(num_blocks, settings.block_size, settings.prefix_caching)
     batcher = Batcher(blocks, BatchLimits(settings.max_num_seqs, settings.max_batch_tokens))
-    engine = LLMEngine(ModelRunner(model, kv), blocks, batcher, max_model_len, cfg.eos_token_ids, lambda _: None)
+    runner = ModelRunner(model, kv)
+    if settings.cuda_graphs:
+        runner.enable_cuda_graphs(settings.max_num_seqs, max_model_len)
+    engine = LLMEngine(runner, blocks, batcher, max_model_len, cfg.eos_token_ids, lambda _: None)
     log.info("engine built %s", fields(model=loaded.model_id, device=device, dtype=str(dtype).removeprefix("torch."),
                                        quant=settings.quant, weight_mb=weights.nbytes >> 20, kv_blocks=num_blocks,
                                        block_size=settings.block_size, max_model_len=max_model_len))

@@ -1,0 +1,182 @@
+"""`edged bench decode`: decode tokens/s of random-weight models at real shapes, against the HBM roofline.
+
+For each shape, weight format and batch size it times the decode step as the engine runs it on
+CUDA (captured graph replay + sampling, tokens fed back on the device) and reports tokens/s and
+the fraction of the roofline: weight bytes read per step over the copy bandwidth measured first.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+from dataclasses import dataclass
+
+import torch
+
+from edged import kernels
+from edged.engine.cuda_graphs import DecodeGraphs
+from edged.models.batch import KVCache
+from edged.models.config import MODEL_SHAPES, ModelConfig
+from edged.models.llama import LlamaModel
+from edged.models.runtime_weights import build_weights, random_named_weights
+
+CONTEXT = 512  # tokens already in each sequence's cache when timing starts
+BLOCK = 16
+
+
+@dataclass
+class DecodeResult:
+    shape: str
+    quant: str
+    batch: int
+    tok_s: float
+    step_ms: float
+    weight_gb: float
+    roofline_tok_s: float
+
+    @property
+    def fraction(self) -> float:
+        return self.tok_s / self.roofline_tok_s if self.roofline_tok_s else 0.0
+
+
+def copy_bandwidth(nbytes: int = 2 << 30, iters: int = 20) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
+    src = torch.empty(nbytes // 2, dtype=torch.float16, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        dst.copy_(src)
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * nbytes * iters / (start.elapsed_time(end) / 1e3)
+
+
+def build_model(cfg: ModelConfig, quant: str, dtype: torch.dtype) -> LlamaModel:
+    named = random_named_weights(cfg, seed=0, device="cuda", dtype=dtype)
+    weights = build_weights(named, cfg, quant, dtype, "cuda", group_size=32)
+    del named
+    gc.collect()
+    torch.cuda.empty_cache()
+    return LlamaModel(cfg, weights, CONTEXT + 4096)
+
+
+def time_decode(model: LlamaModel, batch: int, steps: int, dtype: torch.dtype) -> float:
+    """Seconds per decode step for `batch` sequences at CONTEXT tokens (graph replay + greedy sample)."""
+    cfg = model.config
+    per_seq = -(-(CONTEXT + steps + 8) // BLOCK)
+    kv = KVCache.allocate(cfg.num_layers, batch * per_seq, BLOCK, cfg.num_kv_heads, cfg.head_dim, dtype, "cuda")
+    graphs = DecodeGraphs(model, kv, batch, per_seq, buckets=(batch,))
+    graphs.block_tables.copy_(torch.arange(batch * per_seq, dtype=torch.int32, device="cuda").view(batch, per_seq))
+    graphs.capture()
+    temp = torch.zeros(batch, device="cuda")
+    top_k = torch.zeros(batch, dtype=torch.int64, device="cuda")
+    top_p = torch.ones(batch, device="cuda")
+    seeds = torch.zeros(batch, dtype=torch.int64, device="cuda")
+    rows = torch.arange(batch, device="cuda")
+
+    def step(i: int) -> None:
+        pos = CONTEXT + i
+        graphs.positions.fill_(pos)
+        graphs.context_lens.fill_(pos + 1)
+        graphs.slot_mapping.copy_(graphs.block_tables[rows, pos // BLOCK].long() * BLOCK + pos % BLOCK)
+        graphs.graphs[batch].replay()
+        graphs.input_ids.copy_(kernels.sample(graphs.logits[batch], temp, top_k, top_p, seeds, seeds))
+
+    for i in range(3):
+        step(i)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for i in range(steps):
+        step(i)
+    torch.cuda.synchronize()
+    dt = (time.perf_counter() - t0) / steps
+    del graphs, kv
+    torch.cuda.empty_cache()
+    return dt
+
+
+def run_decode(shapes: list[str], quants: list[str], batches: list[int], steps: int,
+               dtype: torch.dtype = torch.bfloat16) -> tuple[float, list[DecodeResult]]:
+    bw = copy_bandwidth()
+    results = []
+    for name in shapes:
+        cfg = MODEL_SHAPES[name]
+        for quant in quants:
+            model = build_model(cfg, quant, dtype)
+            nbytes = model.weights.nbytes
+            for batch in batches:
+                dt = time_decode(model, batch, steps, dtype)
+                results.append(DecodeResult(name, quant, batch, batch / dt, dt * 1e3, nbytes / 1e9,
+                                            batch * bw / nbytes))
+            del model
+            gc.collect()
+            torch.cuda.empty_cache()
+    return bw, results
+
+
+def peer_tok_s(name: str, batch: int, steps: int, dtype: torch.dtype = torch.bfloat16) -> float | None:
+    """Hugging Face transformers (static cache, torch.compile) at the same shape, when importable."""
+    try:
+        from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
+    except ImportError:
+        return None
+    c = MODEL_SHAPES[name]
+    hf_cfg = LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                         num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
+                         num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim, rope_theta=c.rope_theta,
+                         max_position_embeddings=CONTEXT + steps + 16, tie_word_embeddings=c.tie_word_embeddings)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(hf_cfg).to(dtype).eval()
+    cache = StaticCache(config=hf_cfg, max_batch_size=batch, max_cache_len=CONTEXT + steps + 16, device="cuda",
+                        dtype=dtype)
+    forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    ids = torch.randint(0, c.vocab_size, (batch, 1), device="cuda")
+    with torch.inference_mode():
+        for i in range(steps + 5):
+            if i == 5:
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+            pos = torch.tensor([CONTEXT + i], device="cuda")
+            logits = forward(ids, cache_position=pos, past_key_values=cache, use_cache=True).logits
+            ids = logits[:, -1:].argmax(-1)
+        torch.cuda.synchronize()
+    dt = (time.perf_counter() - t0) / steps
+    del model, cache
+    torch.cuda.empty_cache()
+    return batch / dt
+
+
+def format_table(bw: float, results: list[DecodeResult], peers: dict[tuple[str, int], float]) -> str:
+    lines = [f"copy bandwidth: {bw / 1e12:.2f} TB/s (read + write); context {CONTEXT} tokens; bfloat16 activations",
+             f"{'shape':<14}{'quant':<6}{'batch':>6}{'tok/s':>11}{'step ms':>9}{'weights GB':>11}"
+             f"{'roofline tok/s':>15}{'of roofline':>12}{'peer tok/s':>11}"]
+    for r in results:
+        peer = peers.get((r.shape, r.batch)) if r.quant == "none" else None
+        lines.append(f"{r.shape:<14}{r.quant:<6}{r.batch:>6}{r.tok_s:>11,.0f}{r.step_ms:>9.3f}{r.weight_gb:>11.2f}"
+                     f"{r.roofline_tok_s:>15,.0f}{r.fraction:>11.0%}{'' if peer is None else f'{peer:>11,.0f}'}")
+    return "\n".join(lines)
+
+
+def run_decode_bench(args: argparse.Namespace) -> int:
+    if not torch.cuda.is_available():
+        print("edged bench decode: needs a CUDA GPU (the CPU path is the torch reference, not a fast path)")
+        return 1
+    shapes = [s for s in args.shapes.split(",") if s]
+    unknown = [s for s in shapes if s not in MODEL_SHAPES]
+    if unknown:
+        print(f"edged bench decode: unknown shape(s) {', '.join(unknown)}; known: {', '.join(MODEL_SHAPES)}")
+        return 2
+    quants = [q for q in args.quant.split(",") if q]
+    batches = [int(b) for b in args.batch.split(",") if b]
+    bw, results = run_decode(shapes, quants, batches, args.steps)
+    peers: dict[tuple[str, int], float] = {}
+    if args.peer:
+        for name in shapes:
+            tok_s = peer_tok_s(name, 1, args.steps)
+            if tok_s is not None:
+                peers[(name, 1)] = tok_s
+    print(format_table(bw, results, peers))
+    return 0
