@@ -73,15 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     kern.add_argument("--dtype", default="bfloat16")
     srv = bench_sub.add_parser("serve", help="load generator over HTTP/3 with per-tier SLA report")
     _add_client_flags(srv)
-    srv.add_argument("--rate", type=float, help="Poisson arrivals per second (default: fixed concurrency)")
-    srv.add_argument("--concurrency", type=int, default=8)
-    srv.add_argument("--requests", type=int, default=64)
-    srv.add_argument("--tier-mix", default="gold=1,silver=1,bronze=1")
-    srv.add_argument("--prompt-tokens", type=int, default=64)
-    srv.add_argument("--output-tokens", type=int, default=32)
-    srv.add_argument("--dataset", help="JSONL with prompt and max_tokens per line")
-    srv.add_argument("--json", help="write the report as JSON here")
-    srv.add_argument("--plot", help="write a PNG of latency against load here")
+    from edged.bench.serve import add_arguments as add_serve_arguments
+    add_serve_arguments(srv)
     return parser
 
 

@@ -262,9 +262,7 @@ def _show(v: Any) -> str:
         return "null"
     if isinstance(v, bool):
         return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(v)
-    if isinstance(v, str):
+    if isinstance(v, (int, float, str)):
         return repr(v)
     return type(v).__name__
 
@@ -388,14 +386,14 @@ def _range_reason(v: float, raw: Any, meta: Any, is_int: bool) -> str | None:
 def _cross_checks(c: Config) -> list[tuple[str, str]]:
     """Rules that span keys; run on the parsed config (fields that failed hold their defaults)."""
     errs: list[tuple[str, str]] = []
-    known = ", ".join(sorted(c.tiers))
+    known = ", ".join(sorted(c.tiers)) or "none defined"
     if not c.tiers:
         errs.append(("tiers", "at least one tier is required"))
     if c.scheduler.default_tier not in c.tiers:
         errs.append(("scheduler.default_tier", f"unknown tier {c.scheduler.default_tier!r} (tiers: {known})"))
     if c.limits.max_tokens_default > c.limits.max_tokens_limit:
-        errs.append(("limits.max_tokens_default",
-                     f"must be <= limits.max_tokens_limit ({c.limits.max_tokens_limit}), got {c.limits.max_tokens_default}"))
+        errs.append(("limits.max_tokens_default", f"must be <= limits.max_tokens_limit "
+                     f"({c.limits.max_tokens_limit}), got {c.limits.max_tokens_default}"))
     if c.model.max_model_len and c.limits.max_prompt_tokens and c.limits.max_prompt_tokens >= c.model.max_model_len:
         errs.append(("limits.max_prompt_tokens",
                      f"must be < model.max_model_len ({c.model.max_model_len}), got {c.limits.max_prompt_tokens}"))
@@ -415,7 +413,8 @@ def _cross_checks(c: Config) -> list[tuple[str, str]]:
     for name, t in c.tiers.items():
         w = t.batch_window_ms
         if not w.min <= w.initial <= w.max:
-            errs.append((f"tiers.{name}.batch_window_ms", f"needs min <= initial <= max, got {w.min}, {w.initial}, {w.max}"))
+            errs.append((f"tiers.{name}.batch_window_ms",
+                         f"needs min <= initial <= max, got {w.min}, {w.initial}, {w.max}"))
         if t.max_tokens is not None and t.max_tokens > c.limits.max_tokens_limit:
             errs.append((f"tiers.{name}.max_tokens",
                          f"must be <= limits.max_tokens_limit ({c.limits.max_tokens_limit}), got {t.max_tokens}"))
@@ -466,9 +465,10 @@ class _Loader(yaml.SafeLoader):
 
 
 def _mapping(loader: _Loader, node: yaml.MappingNode) -> dict:
-    loader.flatten_mapping(node)
     seen: dict[Any, int] = {}
     for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":
+            continue  # `<<: *anchor` keys may be overridden; that is not a duplicate
         key = loader.construct_object(key_node, deep=True)
         try:
             first = seen.setdefault(key, key_node.start_mark.line)
@@ -580,7 +580,8 @@ def _get(obj: Any, path: str) -> Any:
     return obj
 
 
-def reload_config(old: Config, path: str | Path | None, overrides: dict[str, Any] | None = None) -> tuple[Config, ConfigDiff]:
+def reload_config(old: Config, path: str | Path | None,
+                  overrides: dict[str, Any] | None = None) -> tuple[Config, ConfigDiff]:
     """Re-read the file for SIGHUP: returns (the config now in effect, the diff) and logs what changed.
 
     Keys that need a restart keep their running values (and are logged as such). An invalid file

@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_convert import i8_to
+
 _LOG2E = 1.4426950408889634
 
 
@@ -21,6 +23,14 @@ def _kv_offsets(bt_row_ptr, t, tmask, block_size, stride_n, stride_s):
     """Element offsets of cached tokens t (masked -> block 0) for a block-table row."""
     blk = tl.load(bt_row_ptr + t // block_size, mask=tmask, other=0).to(tl.int64)
     return blk * stride_n + (t % block_size).to(tl.int64) * stride_s
+
+
+@triton.jit
+def _as_operand(x, dtype: tl.constexpr, INT8: tl.constexpr):
+    if INT8:
+        return i8_to(x, dtype)
+    else:
+        return x.to(dtype)
 
 
 @triton.jit
@@ -58,7 +68,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, out_pt
         kv_mask = tmask[:, None] & dmask[None, :]
         k = tl.load(k_ptr + k_off[:, None] + d[None, :], mask=kv_mask, other=0)
         v = tl.load(v_ptr + v_off[:, None] + d[None, :], mask=kv_mask, other=0)
-        s = tl.dot(q, tl.trans(k.to(q.dtype)))
+        s = tl.dot(q, tl.trans(_as_operand(k, q.dtype, INT8)))
         if INT8:
             s_off = _kv_offsets(bt_row, t, tmask, block_size, stride_sn, stride_ss) + kvh * stride_sh
             s = s * tl.load(ks_ptr + s_off, mask=tmask, other=0.0)[None, :]
@@ -70,7 +80,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, out_pt
         acc = acc * alpha[:, None]
         if INT8:
             p = p * tl.load(vs_ptr + s_off, mask=tmask, other=0.0)[None, :]
-        acc += tl.dot(p.to(q.dtype), v.to(q.dtype))
+        acc += tl.dot(p.to(q.dtype), _as_operand(v, q.dtype, INT8))
         m_i = m_new
     o_mask = gmask[:, None] & dmask[None, :]
     if SPLIT:
@@ -151,7 +161,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, cu_ptr, lens_pt
             kv_mask = tmask[:, None] & dmask[None, :]
             k = tl.load(k_ptr + k_off[:, None] + d[None, :], mask=kv_mask, other=0)
             v = tl.load(v_ptr + v_off[:, None] + d[None, :], mask=kv_mask, other=0)
-            s = tl.dot(q, tl.trans(k.to(q.dtype)))
+            s = tl.dot(q, tl.trans(_as_operand(k, q.dtype, INT8)))
             if INT8:
                 s_off = _kv_offsets(bt_row, t, tmask, block_size, stride_sn, stride_ss) + kvh * stride_sh
                 s = s * tl.load(ks_ptr + s_off, mask=tmask, other=0.0)[None, :]
@@ -165,7 +175,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, cu_ptr, lens_pt
             acc = acc * alpha[:, None]
             if INT8:
                 p = p * tl.load(vs_ptr + s_off, mask=tmask, other=0.0)[None, :]
-            acc += tl.dot(p.to(q.dtype), v.to(q.dtype))
+            acc += tl.dot(p.to(q.dtype), _as_operand(v, q.dtype, INT8))
             m_i = m_new
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + rows[:, None] * stride_ot + h * stride_oh + d[None, :],

@@ -20,23 +20,10 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from .triton_convert import i8_to, i8_to_f32, small_uint_to_f32
 from .weights import LinearWeight
 
 _FORMATS = {"dense": 0, "w8": 1, "w4": 2}
-
-
-@triton.jit
-def _i8_to_f32(q):
-    # Exact int8 -> float32 without the (slow) integer-to-float unit: put byte ^ 0x80 into the
-    # mantissa of 2**23 and subtract 2**23 + 128.
-    bits = (q.to(tl.int32) & 0xFF) ^ 0x4B000080
-    return bits.to(tl.float32, bitcast=True) - 8388736.0
-
-
-@triton.jit
-def _bits_to_f32(q):
-    # Exact small unsigned int (< 2**23, held in int32) -> float32, same trick.
-    return (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
 
 
 @triton.jit
@@ -52,20 +39,21 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, part_ptr, N, K, k_p
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    zero = 0 * n[:, None]  # x is loaded as a broadcast [BLOCK_N, BLOCK_K] tile: the weights' layout, no shuffle
     for k0 in range(k_lo, k_hi, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         if EVEN_K:
-            xv = tl.load(x_ptr + k).to(tl.float32)
+            xv = tl.load(x_ptr + k[None, :] + zero).to(tl.float32)
             wv = tl.load(rows + k[None, :])
         else:
             km = k < k_hi
-            xv = tl.load(x_ptr + k, mask=km, other=0.0).to(tl.float32)
+            xv = tl.load(x_ptr + k[None, :] + zero, mask=km[None, :], other=0.0).to(tl.float32)
             wv = tl.load(rows + k[None, :], mask=km[None, :], other=0)
         if FORMAT == 1:
-            wf = _i8_to_f32(wv)
+            wf = i8_to_f32(wv)
         else:
             wf = wv.to(tl.float32)
-        acc += wf * xv[None, :]
+        acc += wf * xv
     y = tl.sum(acc, axis=1)
     if FORMAT == 1:
         y = y * tl.load(scale_ptr + n_ld).to(tl.float32)
@@ -78,18 +66,38 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, part_ptr, N, K, k_p
 
 
 @triton.jit
-def _gemv_w4_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr, N, num_groups,
+def _x_pairs(v, X_KIND: tl.constexpr):
+    """(x[2j], x[2j+1]) in float32 from word j of x: bf16 / fp16 pairs in uint32, fp32 pairs in uint64."""
+    if X_KIND == 0:
+        u = v.to(tl.uint32, bitcast=True)
+        return (u << 16).to(tl.float32, bitcast=True), (u & 0xFFFF0000).to(tl.float32, bitcast=True)
+    elif X_KIND == 1:
+        u = v.to(tl.uint32, bitcast=True)
+        even = (u & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        odd = (u >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        return even, odd
+    else:
+        u = v.to(tl.uint64, bitcast=True)
+        even = (u & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
+        odd = (u >> 32).to(tl.uint32).to(tl.float32, bitcast=True)
+        return even, odd
+
+
+@triton.jit
+def _gemv_w4_kernel(xw_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr, N, num_groups,
                     g_per_split, stride_wn, stride_sn,
-                    HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_G: tl.constexpr,
+                    X_KIND: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_G: tl.constexpr,
                     BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, HALF_GROUP: tl.constexpr):
     """One row of x against w4 weights. Tiles are [BLOCK_N, GROUPS, HALF_GROUP] bytes so that the
-    scale and minimum of a group broadcast over its bytes without a gather."""
+    scale and minimum of a group broadcast over its bytes without a gather. x comes as words that
+    each hold the pair (x[2j], x[2j+1]) of byte j, loaded in the bytes' layout (no shuffles)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ld = tl.minimum(n, N - 1)
     n64 = n_ld.to(tl.int64)
     j = tl.arange(0, HALF_GROUP)
+    zero = 0 * n[:, None, None]
     g_lo = pid_k * g_per_split
     g_hi = tl.minimum(g_lo + g_per_split, num_groups)
     acc = tl.zeros([BLOCK_N, GROUPS, HALF_GROUP], dtype=tl.float32)
@@ -97,27 +105,27 @@ def _gemv_w4_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_pt
         g = g0 + tl.arange(0, GROUPS)
         byte = g[:, None] * HALF_GROUP + j[None, :]  # [GROUPS, HALF_GROUP]
         w_ptrs = w_ptr + n64[:, None, None] * stride_wn + byte[None, :, :]
+        x_ptrs = xw_ptr + byte[None, :, :] + zero
         s_ptrs = scale_ptr + n64[:, None] * stride_sn + g[None, :]
         m_ptrs = min_ptr + n64[:, None] * stride_sn + g[None, :]
         if EVEN_G:
             b = tl.load(w_ptrs)
-            xe = tl.load(x_ptr + 2 * byte).to(tl.float32)
-            xo = tl.load(x_ptr + 2 * byte + 1).to(tl.float32)
+            xv = tl.load(x_ptrs)
             s = tl.load(s_ptrs).to(tl.float32)
             mn = tl.load(m_ptrs).to(tl.float32)
         else:
             gm = g < g_hi
             b = tl.load(w_ptrs, mask=gm[None, :, None], other=0)
-            xe = tl.load(x_ptr + 2 * byte, mask=gm[:, None], other=0.0).to(tl.float32)
-            xo = tl.load(x_ptr + 2 * byte + 1, mask=gm[:, None], other=0.0).to(tl.float32)
+            xv = tl.load(x_ptrs, mask=gm[None, :, None], other=0)
             s = tl.load(s_ptrs, mask=gm[None, :], other=0.0).to(tl.float32)
             mn = tl.load(m_ptrs, mask=gm[None, :], other=0.0).to(tl.float32)
+        xe, xo = _x_pairs(xv, X_KIND)
         bi = b.to(tl.int32)
-        lo = _bits_to_f32(bi & 0x0F)
-        hi16 = _bits_to_f32(bi & 0xF0)  # 16 * high nibble: saves the shift, undone by s / 16
+        lo = small_uint_to_f32(bi & 0x0F)
+        hi16 = small_uint_to_f32(bi & 0xF0)  # 16 * high nibble: saves the shift, undone by s / 16
         s3 = s[:, :, None]
         m3 = mn[:, :, None]
-        acc += (lo * s3 + m3) * xe[None, :, :] + (hi16 * (s3 * 0.0625) + m3) * xo[None, :, :]
+        acc += (lo * s3 + m3) * xe + (hi16 * (s3 * 0.0625) + m3) * xo
     y = tl.sum(tl.sum(acc, axis=2), axis=1)
     if SPLIT:
         tl.store(part_ptr + pid_k * N + n, y, mask=n < N)
@@ -134,8 +142,7 @@ def _matmul_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr
                    GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """x [M, K] @ W^T with W dequantized per tile to x's dtype; program (output tile, k split).
-    For w4, BLOCK_K counts weights and the tile is two dots: low nibbles with x[:, 0::2] and high
-    nibbles with x[:, 1::2]."""
+    For w4 each group is two dots: its low nibbles with x's even columns, high nibbles with odd."""
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     # grouped tile order: neighbouring programs share weight tiles in L2
@@ -158,30 +165,33 @@ def _matmul_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr
     k_hi = tl.minimum(k_lo + k_per_split, K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if FORMAT == 2:
-        HALF_K: tl.constexpr = BLOCK_K // 2
+        # one group at a time (BLOCK_K is a multiple of the group): its scale and minimum are
+        # vectors over N, and x's even / odd columns meet the low / high nibbles
+        jb = tl.arange(0, GROUP_SIZE // 2)
+        jx = tl.arange(0, GROUP_SIZE)
         for k0 in range(k_lo, k_hi, BLOCK_K):
-            kb = k0 // 2 + tl.arange(0, HALF_K)  # byte columns
-            grp = (2 * kb) // GROUP_SIZE
-            s_ptrs = scale_ptr + rn64[None, :] * stride_sn + grp[:, None]
-            m_ptrs = min_ptr + rn64[None, :] * stride_sn + grp[:, None]
-            if EVEN_K:
-                xe = tl.load(x_rows + 2 * kb[None, :])
-                xo = tl.load(x_rows + 2 * kb[None, :] + 1)
-                b = tl.load(w_cols + kb[:, None])
-                s = tl.load(s_ptrs).to(tl.float32)
-                mn = tl.load(m_ptrs).to(tl.float32)
-            else:
-                km = 2 * kb < k_hi
-                xe = tl.load(x_rows + 2 * kb[None, :], mask=km[None, :], other=0.0)
-                xo = tl.load(x_rows + 2 * kb[None, :] + 1, mask=km[None, :], other=0.0)
-                b = tl.load(w_cols + kb[:, None], mask=km[:, None], other=0)
-                s = tl.load(s_ptrs, mask=km[:, None], other=0.0).to(tl.float32)
-                mn = tl.load(m_ptrs, mask=km[:, None], other=0.0).to(tl.float32)
-            bi = b.to(tl.int32)
-            lo = (_bits_to_f32(bi & 0x0F) * s + mn).to(dt)
-            hi = (_bits_to_f32(bi >> 4) * s + mn).to(dt)
-            acc += tl.dot(xe, lo)
-            acc += tl.dot(xo, hi)
+            for gi in tl.static_range(BLOCK_K // GROUP_SIZE):
+                kg = k0 + gi * GROUP_SIZE
+                s_ptrs = scale_ptr + rn64 * stride_sn + kg // GROUP_SIZE
+                m_ptrs = min_ptr + rn64 * stride_sn + kg // GROUP_SIZE
+                if EVEN_K:
+                    xt = tl.load(x_rows + kg + jx[None, :])
+                    b = tl.load(w_cols + kg // 2 + jb[:, None])
+                    s = tl.load(s_ptrs).to(tl.float32)
+                    mn = tl.load(m_ptrs).to(tl.float32)
+                else:
+                    # groups never straddle k_hi: K and the splits are whole groups
+                    xt = tl.load(x_rows + kg + jx[None, :], mask=(kg + jx[None, :]) < k_hi, other=0.0)
+                    b = tl.load(w_cols + kg // 2 + jb[:, None], mask=(kg + 2 * jb[:, None]) < k_hi, other=0)
+                    valid = (kg + 0 * rn) < k_hi
+                    s = tl.load(s_ptrs, mask=valid, other=0.0).to(tl.float32)
+                    mn = tl.load(m_ptrs, mask=valid, other=0.0).to(tl.float32)
+                xe, xo = tl.split(tl.reshape(xt, (BLOCK_M, GROUP_SIZE // 2, 2)))
+                bi = b.to(tl.int32)
+                lo = (small_uint_to_f32(bi & 0x0F) * s[None, :] + mn[None, :]).to(dt)
+                hi = (small_uint_to_f32(bi >> 4) * s[None, :] + mn[None, :]).to(dt)
+                acc += tl.dot(xe, lo)
+                acc += tl.dot(xo, hi)
     else:
         for k0 in range(k_lo, k_hi, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
@@ -192,7 +202,11 @@ def _matmul_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr
                 km = k < k_hi
                 xv = tl.load(x_rows + k[None, :], mask=km[None, :], other=0.0)
                 wv = tl.load(w_cols + k[:, None], mask=km[:, None], other=0)
-            acc += tl.dot(xv, wv.to(dt))
+            if FORMAT == 1:
+                wt = i8_to(wv, dt)
+            else:
+                wt = wv.to(dt)
+            acc += tl.dot(xv, wt)
     if FORMAT == 1:
         acc = acc * tl.load(scale_ptr + rn64).to(tl.float32)[None, :]
     mask = (rm[:, None] < M) & (rn[None, :] < N)
@@ -217,6 +231,18 @@ def _splitk_reduce_kernel(part_ptr, bias_ptr, out_ptr, MN, N, num_splits,
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+_X_KINDS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+
+
+def _x_words(x: torch.Tensor) -> torch.Tensor:
+    """One row of x viewed as words holding (x[2j], x[2j+1]), for the w4 GEMV."""
+    word = torch.int64 if x.dtype == torch.float32 else torch.int32
+    try:
+        return x.view(word)
+    except RuntimeError:  # a row that does not start on a word boundary
+        return x.clone().view(word)
 
 
 @dataclass(frozen=True)
@@ -313,14 +339,14 @@ def linear(x: torch.Tensor, w: LinearWeight, config: LinearConfig | None = None)
         split = -(-num_groups // per)
         part = part[:split]
         _gemv_w4_kernel[(triton.cdiv(n, cfg.block_n), split)](
-            x2, data, scale, minimum, bias, out, part, n, num_groups, per, data.stride(0), scale.stride(0),
-            HAS_BIAS=w.bias is not None, SPLIT=split > 1, EVEN_G=num_groups % groups == 0 and per % groups == 0,
-            BLOCK_N=cfg.block_n, GROUPS=groups, HALF_GROUP=half,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            _x_words(x2), data, scale, minimum, bias, out, part, n, num_groups, per, data.stride(0), scale.stride(0),
+            X_KIND=_X_KINDS[x.dtype], HAS_BIAS=w.bias is not None, SPLIT=split > 1,
+            EVEN_G=num_groups % groups == 0 and per % groups == 0,
+            BLOCK_N=cfg.block_n, GROUPS=groups, HALF_GROUP=half, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     else:
         block_k = cfg.block_k
         if fmt == 2:
-            block_k = max(block_k, 2)  # a w4 step covers whole bytes
+            block_k = -(-block_k // w.group_size) * w.group_size  # whole groups per step
         per = -(-k // split)
         per = -(-per // block_k) * block_k
         split = -(-k // per)

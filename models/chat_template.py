@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -9,6 +10,8 @@ from typing import Any
 import jinja2
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+log = logging.getLogger("edged.models")
 
 # Used when the model ships no template: ChatML, what most instruct models and OpenAI servers assume.
 CHATML_TEMPLATE = (
@@ -51,7 +54,9 @@ class ChatTemplate:
     _compiled: jinja2.Template = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        self.source = self.source or CHATML_TEMPLATE
+        if not self.source:
+            log.info("the model has no chat template; using ChatML")
+            self.source = CHATML_TEMPLATE
         try:
             self._compiled = _environment().from_string(self.source)
         except jinja2.TemplateSyntaxError as e:
@@ -67,7 +72,8 @@ class ChatTemplate:
             return self._compiled.render(messages=normalize_messages(messages),
                                          add_generation_prompt=add_generation_prompt,
                                          bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
-        except jinja2.exceptions.TemplateError as e:
+        # a template indexing past the messages or adding mismatched types fails on the input, not the server
+        except (jinja2.exceptions.TemplateError, TypeError, KeyError, IndexError, AttributeError) as e:
             raise ValueError(f"chat template rejected the messages: {e}") from e
 
 

@@ -7,6 +7,7 @@ means exactly what the Hugging Face tensor of the same name means.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -56,14 +57,18 @@ _REQUIRED = object()
 def load_gguf(path: str | Path, model_id: str | None = None) -> LoadedModel:
     path = Path(path)
     model_id = model_id or path.stem
-    reader = GGUFReader(path)
+    try:
+        reader = GGUFReader(path)
+    except ValueError as e:  # bad magic, truncated header
+        raise ValueError(f"{path} is not a readable GGUF file: {e}") from e
     meta = {key: f.contents() for key, f in reader.fields.items() if not key.startswith("GGUF.")}
     tensors = {t.name: t for t in reader.tensors}
     tokenizer = tokenizer_from_gguf(meta)
     config = config_from_gguf(meta, tensors, tokenizer, model_id)
     named = load_tensors(tensors.values(), config, permute_qk=meta["general.architecture"] in _PERMUTED_ARCHITECTURES)
     log.info("loaded %s: %s, %d tensors", path, meta.get("general.name", path.stem), len(named))
-    template = ChatTemplate(pick_template(meta.get("tokenizer.chat_template")), tokenizer.bos_token, tokenizer.eos_token)
+    source = pick_template(meta.get("tokenizer.chat_template"))
+    template = ChatTemplate(source, tokenizer.bos_token, tokenizer.eos_token)
     return LoadedModel(config, named, tokenizer, template, model_id, path)
 
 
@@ -73,7 +78,8 @@ def config_from_gguf(meta: dict[str, Any], tensors: dict[str, ReaderTensor], tok
                      name: str) -> ModelConfig:
     arch = meta.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+        supported = ", ".join(SUPPORTED_ARCHITECTURES)
+        raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: {supported})")
 
     def get(key: str, default: Any = _REQUIRED) -> Any:
         value = meta.get(f"{arch}.{key}", default)
@@ -107,7 +113,7 @@ def config_from_gguf(meta: dict[str, Any], tensors: dict[str, ReaderTensor], tok
     )
 
 
-def _rope_scaling(get: Any, freq_factors: ReaderTensor | None, head_dim: int) -> dict | None:
+def _rope_scaling(get: Callable[..., Any], freq_factors: ReaderTensor | None, head_dim: int) -> dict | None:
     kind = get("rope.scaling.type", None)
     if freq_factors is not None:  # llama 3.x stores its rope scaling as per-frequency factors
         return _llama3_scaling(np.asarray(freq_factors.data, dtype=np.float64), float(get("rope.freq_base", 1e4)),
@@ -146,7 +152,7 @@ def hf_tensor_name(gguf_name: str) -> str | None:
     return None
 
 
-def load_tensors(tensors: Any, config: ModelConfig, permute_qk: bool) -> Named:
+def load_tensors(tensors: Iterable[ReaderTensor], config: ModelConfig, permute_qk: bool) -> Named:
     named: Named = {}
     for t in tensors:
         hf_name = hf_tensor_name(t.name)
@@ -197,8 +203,9 @@ def q4_to_w4(raw: np.ndarray, qtype: GGMLQuantizationType, rows: int, cols: int)
 def unpermute_rows(value: torch.Tensor | LinearWeight, n_head: int) -> torch.Tensor | LinearWeight:
     """Inverse of convert_hf_to_gguf's `permute` (rows of each head: halves interleaved -> halves)."""
     if isinstance(value, LinearWeight):
-        parts = [None if p is None else _unpermute(p, n_head) for p in (value.data, value.scale, value.minimum, value.bias)]
-        return LinearWeight(value.format, parts[0], parts[1], parts[2], value.group_size, parts[3])
+        data, scale, minimum, bias = (None if p is None else _unpermute(p, n_head)
+                                      for p in (value.data, value.scale, value.minimum, value.bias))
+        return LinearWeight(value.format, data, scale, minimum, value.group_size, bias)
     return _unpermute(value, n_head)
 
 
@@ -214,8 +221,10 @@ _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_GPT4O_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-                r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+_GPT4O_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+                r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+                r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+                r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
                 r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _SPLIT_REGEX = {
     **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "smaug-bpe", "dbrx", "falcon3"), _LLAMA3_SPLIT),
@@ -241,14 +250,15 @@ def tokenizer_from_gguf(meta: dict[str, Any]) -> Tokenizer:
     if kind == "gpt2":
         backend = _byte_level_bpe(tokens, meta.get("tokenizer.ggml.merges") or [], meta.get("tokenizer.ggml.pre"))
     elif kind == "llama":
-        backend = _sentencepiece_bpe(tokens, meta.get("tokenizer.ggml.scores"), meta.get("tokenizer.ggml.unknown_token_id"),
+        backend = _sentencepiece_bpe(tokens, meta.get("tokenizer.ggml.scores"),
+                                     meta.get("tokenizer.ggml.unknown_token_id"),
                                      bool(meta.get("tokenizer.ggml.add_space_prefix", True)))
     else:
         raise ValueError(f"GGUF tokenizer model {kind!r} is not supported (supported: gpt2, llama)")
     backend.add_special_tokens([AddedToken(t, normalized=False, special=True)
-                                for t, ty in zip(tokens, types) if ty == _CONTROL])
+                                for t, ty in zip(tokens, types, strict=False) if ty == _CONTROL])
     backend.add_tokens([AddedToken(t, normalized=False, special=False)
-                        for t, ty in zip(tokens, types) if ty == _USER_DEFINED])
+                        for t, ty in zip(tokens, types, strict=False) if ty == _USER_DEFINED])
     bos = meta.get("tokenizer.ggml.bos_token_id")
     if bos is not None and meta.get("tokenizer.ggml.add_bos_token", kind == "llama"):
         backend.post_processor = processors.TemplateProcessing(
@@ -283,14 +293,16 @@ def _sentencepiece_bpe(tokens: list[str], scores: list[float] | None, unk_id: in
 
     A space is prefixed to every text fragment (also after special tokens), as llama.cpp does."""
     vocab = {t: i for i, t in enumerate(tokens)}
-    score = dict(zip(tokens, scores)) if scores else {t: -float(i) for t, i in vocab.items()}
+    score = dict(zip(tokens, scores, strict=True)) if scores else {t: -float(i) for t, i in vocab.items()}
     merges = [(piece[:k], piece[k:], score[piece]) for piece in vocab for k in range(1, len(piece))
               if piece[:k] in vocab and piece[k:] in vocab]
     merges.sort(key=lambda m: (-m[2], vocab[m[0]], vocab[m[1]]))
     unk = tokens[unk_id] if unk_id is not None else None
-    backend = Backend(models.BPE(vocab, [(a, b) for a, b, _ in merges], unk_token=unk, fuse_unk=True, byte_fallback=True))
+    pairs = [(a, b) for a, b, _ in merges]
+    backend = Backend(models.BPE(vocab, pairs, unk_token=unk, fuse_unk=True, byte_fallback=True))
     steps = [normalizers.Prepend("\u2581")] if add_space_prefix else []
     backend.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", "\u2581")])
     strip = [decoders.Strip(" ", 1, 0)] if add_space_prefix else []
-    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), *strip])
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         *strip])
     return backend

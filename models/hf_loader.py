@@ -6,6 +6,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import tokenizers
 import torch
 from safetensors import safe_open
 
@@ -18,6 +19,7 @@ from .tokenizer import Tokenizer
 log = logging.getLogger("edged.models")
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+_REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 
 def load_hf(path: str | Path, model_id: str | None = None) -> LoadedModel:
@@ -25,17 +27,13 @@ def load_hf(path: str | Path, model_id: str | None = None) -> LoadedModel:
     model_id = model_id or root.name
     raw = _read_json(root / "config.json")
     tokenizer_config = _read_json(root / "tokenizer_config.json", missing_ok=True)
-    tokenizer_file = root / "tokenizer.json"
-    if not tokenizer_file.is_file():
-        raise FileNotFoundError(f"{root} has no tokenizer.json (only fast tokenizers are supported)")
-    tokenizer = Tokenizer.from_file(tokenizer_file)
-    tokenizer.bos_token_id = _bos_id(raw, tokenizer_config, tokenizer)
-    tokenizer.eos_token_ids = _eos_ids(raw, _read_json(root / "generation_config.json", missing_ok=True),
-                                       tokenizer_config, tokenizer)
+    tokenizer = _tokenizer(root, raw, tokenizer_config)
     config = config_from_hf(raw, tokenizer, model_id)
     named = load_safetensors(root)
     log.info("loaded %s: %s, %d tensors", root, raw.get("model_type"), len(named))
-    template = ChatTemplate(_chat_template(root, tokenizer_config), tokenizer.bos_token, tokenizer.eos_token)
+    template = ChatTemplate(_chat_template(root, tokenizer_config),
+                            _token_text(tokenizer_config.get("bos_token")) or tokenizer.bos_token,
+                            _token_text(tokenizer_config.get("eos_token")) or tokenizer.eos_token)
     return LoadedModel(config, named, tokenizer, template, model_id, root)
 
 
@@ -47,10 +45,10 @@ def config_from_hf(raw: dict[str, Any], tokenizer: Tokenizer, name: str) -> Mode
         raise ValueError("mlp_bias is not supported")
     if raw.get("sliding_window") and raw.get("use_sliding_window", model_type == "mistral"):
         log.warning("%s: sliding window attention (%s) is not applied; attention is full", name, raw["sliding_window"])
+    missing = [k for k in _REQUIRED_KEYS if k not in raw]
+    if missing:
+        raise ValueError(f"config.json lacks {', '.join(missing)}")
     rope = raw.get("rope_parameters") or {}  # transformers 5 nests rope_theta and the scaling here
-    scaling = raw.get("rope_scaling") or rope
-    if scaling.get("rope_type", scaling.get("type")) in (None, "default"):
-        scaling = None
     heads = raw["num_attention_heads"]
     return ModelConfig(
         vocab_size=raw["vocab_size"],
@@ -62,7 +60,7 @@ def config_from_hf(raw: dict[str, Any], tokenizer: Tokenizer, name: str) -> Mode
         head_dim=raw.get("head_dim") or 0,
         rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
         rope_theta=raw.get("rope_theta", rope.get("rope_theta", 10000.0)),
-        rope_scaling=dict(scaling) if scaling else None,
+        rope_scaling=_rope_scaling(raw.get("rope_scaling") or rope),
         max_position_embeddings=raw.get("max_position_embeddings", 2048),
         tie_word_embeddings=raw.get("tie_word_embeddings", False),
         attention_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),  # Qwen2 always has q/k/v bias
@@ -72,6 +70,15 @@ def config_from_hf(raw: dict[str, Any], tokenizer: Tokenizer, name: str) -> Mode
     )
 
 
+def _rope_scaling(scaling: dict[str, Any]) -> dict[str, Any] | None:
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind in (None, "default"):
+        return None
+    if kind not in ("linear", "llama3"):
+        raise ValueError(f"rope scaling {kind!r} is not supported (supported: linear, llama3)")
+    return {k: v for k, v in scaling.items() if k != "rope_theta"}
+
+
 def load_safetensors(root: Path) -> Named:
     files = sorted(root.glob("*.safetensors"))
     if not files:
@@ -79,7 +86,7 @@ def load_safetensors(root: Path) -> Named:
     named: Named = {}
     for file in files:
         with safe_open(str(file), framework="pt") as f:
-            for key in f.keys():
+            for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 if key.endswith("rotary_emb.inv_freq"):  # recomputed from the config
                     continue
                 named[key] = f.get_tensor(key).to(torch.float32)
@@ -108,20 +115,23 @@ def _ids(value: int | list[int] | None) -> list[int]:
     return [value] if isinstance(value, int) else list(value)
 
 
-def _bos_id(config: dict, tokenizer_config: dict, tokenizer: Tokenizer) -> int | None:
-    if config.get("bos_token_id") is not None:
-        return _ids(config["bos_token_id"])[0]
-    text = _token_text(tokenizer_config.get("bos_token"))
-    return tokenizer.token_to_id(text) if text else None
+def _tokenizer(root: Path, config: dict, tokenizer_config: dict) -> Tokenizer:
+    path = root / "tokenizer.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{root} has no tokenizer.json (only fast tokenizers are supported)")
+    backend = tokenizers.Tokenizer.from_file(str(path))
 
+    def token_id(value: str | dict | None) -> list[int]:
+        text = _token_text(value)
+        found = backend.token_to_id(text) if text else None
+        return [] if found is None else [found]
 
-def _eos_ids(config: dict, generation_config: dict, tokenizer_config: dict, tokenizer: Tokenizer) -> list[int]:
-    """generation_config.json first (what HF generate stops at), then config.json, then the tokenizer's."""
-    ids = _ids(generation_config.get("eos_token_id")) + _ids(config.get("eos_token_id"))
-    text = _token_text(tokenizer_config.get("eos_token"))
-    if text and tokenizer.token_to_id(text) is not None:
-        ids.append(tokenizer.token_to_id(text))
-    return list(dict.fromkeys(ids))
+    bos = (_ids(config.get("bos_token_id")) + token_id(tokenizer_config.get("bos_token")) + [None])[0]
+    # generation_config.json first (what HF generate stops at), then config.json, then the tokenizer's
+    generation_config = _read_json(root / "generation_config.json", missing_ok=True)
+    eos = (_ids(generation_config.get("eos_token_id")) + _ids(config.get("eos_token_id"))
+           + token_id(tokenizer_config.get("eos_token")))
+    return Tokenizer(backend, bos, eos)
 
 
 def _chat_template(root: Path, tokenizer_config: dict) -> str | None:

@@ -20,7 +20,7 @@ class Tokenizer:
 
     @classmethod
     def from_file(cls, path: str | Path, bos_token_id: int | None = None,
-                  eos_token_ids: Iterable[int] = ()) -> "Tokenizer":
+                  eos_token_ids: Iterable[int] = ()) -> Tokenizer:
         return cls(tokenizers.Tokenizer.from_file(str(path)), bos_token_id, eos_token_ids)
 
     @property
@@ -55,7 +55,7 @@ class Tokenizer:
         """Write tokenizer.json (what an HF model directory carries)."""
         self.backend.save(str(path))
 
-    def detokenizer(self, skip_special_tokens: bool = True) -> "IncrementalDetokenizer":
+    def detokenizer(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self, skip_special_tokens)
 
 
@@ -68,7 +68,7 @@ class IncrementalDetokenizer:
     ending in U+FFFD is held back: the rest of a multi-byte character is in a later token.
     """
 
-    __slots__ = ("_tokenizer", "_skip", "_ids", "_prefix", "_read")
+    __slots__ = ("_ids", "_prefix", "_read", "_skip", "_tokenizer")
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer

@@ -38,7 +38,8 @@ def tiny_hf_dir(tmp_path_factory: pytest.TempPathFactory, loaded_model: LoadedMo
 
     def make(model_type: str = "llama") -> Path:
         if model_type not in made:
-            made[model_type] = _write_tiny_hf_dir(tmp_path_factory.mktemp(f"tiny-{model_type}"), model_type, loaded_model)
+            root = tmp_path_factory.mktemp(f"tiny-{model_type}")
+            made[model_type] = _write_tiny_hf_dir(root, model_type, loaded_model)
         return made[model_type]
 
     return make

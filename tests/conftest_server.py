@@ -49,6 +49,7 @@ class FakeEngine:
         self.cancelled: list[str] = []
         self.closed: list[str] = []  # generators closed before finishing
         self.active: set[str] = set()
+        self.peak_active = 0
         self._lock = threading.Lock()
 
     # -- tokenizer
@@ -77,6 +78,7 @@ class FakeEngine:
         if "[refuse]" in prompt:
             raise AdmissionRefused("tier queue is full")
         self.active.add(rid)
+        self.peak_active = max(self.peak_active, len(self.active))
         n_prompt = len(request.prompt_token_ids)
         limit = request.sampling.max_tokens
         done = False

@@ -66,9 +66,9 @@ def main() -> None:
         os._exit(2)
     first = make_key("writer", [os.getpid(), -1], {"temperature": 0})
     cache.put(first, expected_result(first))
+    _report("started")
     for tid in range(threads):
         threading.Thread(target=_work, args=(cache, tid), daemon=True).start()
-    _report("started")
     threading.Event().wait()  # until SIGKILL
 
 

@@ -7,6 +7,7 @@ the connection, back-pressure, draining, TLS, `edged chat`, and an independent c
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import socket
 import uuid
@@ -22,7 +23,7 @@ from edged.server.h3_client import (
     iter_sse,
     run_chat_command,
 )
-from edged.server.h3_server import ServerSettings
+from edged.server.h3_server import ApiKeyPolicy, ServerSettings
 from edged.server.tls import TLSConfigError, default_ca_file, ensure_cert
 
 try:
@@ -441,21 +442,139 @@ def test_draining_server_refuses_new_requests_with_503(certs):
         run(go())
 
 
-def test_api_keys_map_to_tiers(certs):
+def test_api_keys_map_to_tiers_and_rate_limit(certs):
     engine = FakeEngine()
-    settings = ServerSettings(api_keys={"k-gold": "gold"}, tiers=("gold", "bronze"))
+    keys = {hashlib.sha256(b"k-gold").hexdigest(): ApiKeyPolicy("alice", tier="gold"),
+            hashlib.sha256(b"k-slow").hexdigest(): ApiKeyPolicy("bob", rate_limit_rps=0.5, burst=2)}
+    settings = ServerSettings(api_keys=keys, tiers=("gold", "silver", "bronze"), default_tier="silver")
     with ServerThread(engine, *certs, settings=settings) as st:
         async def go():
             async with client(st, certs) as c:
-                r = await c.request("POST", "/v1/chat/completions", JSON, body())
-                assert r.status == 401 and r.json()["error"]["code"] == "invalid_api_key"
-                assert (await c.request("GET", "/healthz")).status == 200
+                for auth in (None, "Bearer nope", "Basic k-gold"):
+                    r = await c.request("POST", "/v1/chat/completions", {**JSON, **({"authorization": auth} if auth
+                                                                                   else {})}, body())
+                    assert r.status == 401 and r.json()["error"]["code"] == "invalid_api_key"
+                    assert r.headers["www-authenticate"] == "Bearer"
+                assert (await c.request("GET", "/healthz")).status == 200  # public
+                assert (await c.request("GET", "/v1/models")).status == 401
                 r = await c.request("POST", "/v1/chat/completions",
                                     {**JSON, "authorization": "Bearer k-gold", "x-request-id": "keyed",
                                      "x-edged-tier": "bronze"}, body())
-                assert r.status == 200
+                assert r.status == 200  # the key's tier wins over the header
+                slow = {**JSON, "authorization": "Bearer k-slow", "x-request-id": "bob"}
+                statuses = [(await c.request("POST", "/v1/chat/completions", slow, body())).status for _ in range(3)]
+                assert statuses == [200, 200, 429]
+                r = await c.request("POST", "/v1/chat/completions", slow, body())
+                assert r.status == 429 and r.json()["error"]["code"] == "rate_limit_exceeded"
+                assert int(r.headers["retry-after"]) >= 1
         run(go())
         assert next(r for r in engine.requests if r.request_id == "keyed").tier == "gold"
+        assert next(r for r in engine.requests if r.request_id == "bob").tier == "silver"  # key without a tier
+
+
+def test_limits_tiers_and_defaults(certs):
+    engine = FakeEngine(max_model_len=256)
+    settings = ServerSettings(default_max_tokens=100, max_tokens_limit=50, max_prompt_tokens=40,
+                              tiers=("gold", "silver"), default_tier="silver", tier_max_tokens={"gold": 5})
+    with ServerThread(engine, *certs, settings=settings) as st:
+        async def go():
+            async with client(st, certs) as c:
+                async def post(data, headers=None):
+                    return await c.request("POST", "/v1/chat/completions", {**JSON, **(headers or {})}, data)
+
+                r = await post(body(max_tokens=51))
+                assert (r.status, r.json()["error"]["param"]) == (400, "max_tokens")
+                r = await post(body(messages=[{"role": "user", "content": "y" * 40}]))
+                assert (r.status, r.json()["error"]["code"]) == (400, "context_length_exceeded")
+                r = await post(body(tier="platinum"))
+                assert (r.status, r.json()["error"]["param"]) == (400, "tier")
+                r = await post(body(max_tokens=6), {"x-edged-tier": "gold"})
+                assert r.status == 400  # over gold's cap of 5
+                assert (await post(body(), {"x-request-id": "dflt"})).status == 200
+                assert (await post(body(), {"x-request-id": "gold", "x-edged-tier": "gold"})).status == 200
+        run(go())
+        by_id = {r.request_id: r for r in engine.requests}
+        assert (by_id["dflt"].tier, by_id["dflt"].sampling.max_tokens) == ("silver", 50)
+        assert (by_id["gold"].tier, by_id["gold"].sampling.max_tokens) == ("gold", 5)
+
+
+def test_request_timeout_ends_generation(certs):
+    engine = FakeEngine()
+    with ServerThread(engine, *certs, settings=ServerSettings(request_timeout_s=0.3)) as st:
+        async def go():
+            slow = [{"role": "user", "content": "[slow]"}]
+            async with client(st, certs) as c:
+                _, _, events = await sse_events(c, "/v1/chat/completions",
+                                                body(stream=True, max_tokens=100, messages=slow),
+                                                {"x-request-id": "t-stream"})
+                assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "request_timeout"
+                r = await c.request("POST", "/v1/chat/completions", {**JSON, "x-request-id": "t-json"},
+                                    body(max_tokens=100, messages=slow))
+                assert r.status == 504 and r.json()["error"]["code"] == "request_timeout"
+                await assert_healthy(c)
+        run(go())
+        assert wait_until(lambda: {"t-stream", "t-json"} <= set(engine.cancelled))
+
+
+def test_max_concurrent_streams_per_connection(certs):
+    engine = FakeEngine()
+    with ServerThread(engine, *certs, settings=ServerSettings(max_concurrent_streams=2)) as st:
+        async def go():
+            slow = [{"role": "user", "content": "[slow]"}]
+            async with client(st, certs) as c:
+                rs = await asyncio.gather(*(c.request("POST", "/v1/chat/completions", JSON,
+                                                      body(max_tokens=4, messages=slow)) for _ in range(5)))
+            assert [r.status for r in rs] == [200] * 5
+        run(go())
+        assert engine.peak_active == 2
+
+
+def test_mounted_route_sees_the_peer_address(certs):
+    async def whoami(req):
+        req.respond(200, (req.peer_host or "?").encode(), "text/plain")
+
+    with ServerThread(FakeEngine(), *certs, settings=ServerSettings(api_keys={})) as st:
+        st.server.router.add("GET", "/whoami", whoami, public=True)
+        st.server.router.add("GET", "/private", whoami)
+
+        async def go():
+            async with client(st, certs) as c:
+                r = await c.request("GET", "/whoami")
+                assert (r.status, r.text, r.headers["content-type"]) == (200, "127.0.0.1", "text/plain")
+                assert (await c.request("GET", "/private")).status == 401
+                assert (await c.request("POST", "/whoami", JSON, b"{}")).status == 405
+        run(go())
+
+
+def test_observers_get_one_record_per_request(certs):
+    records = []
+    with ServerThread(FakeEngine(), *certs) as st:
+        st.server.router.observers.append(records.append)
+
+        async def go():
+            async with client(st, certs) as c:
+                await c.request("POST", "/v1/chat/completions", {**JSON, "x-request-id": "ok"}, body(max_tokens=2))
+                await c.request("POST", "/v1/chat/completions", {**JSON, "x-request-id": "bad"}, body(n=3))
+                await c.request("POST", "/v1/chat/completions", {**JSON, "x-request-id": "refused"},
+                                body(messages=[{"role": "user", "content": "[refuse]"}]))
+                await c.request("POST", "/v1/chat/completions", {**JSON, "x-request-id": "big"},
+                                b" " * (ServerSettings().max_body_bytes + 1))
+                rs = await c.stream("POST", "/v1/chat/completions", {**JSON, "x-request-id": "gone"},
+                                    body(stream=True, messages=[{"role": "user", "content": "[slow]"}]))
+                await rs._queue.get()
+                rs.reset()
+                await c.request("GET", "/healthz")
+        run(go())
+        assert wait_until(lambda: len(records) == 5)
+    by_id = {r.request_id: r for r in records}
+    assert len(by_id) == 5
+    ok = by_id["ok"]
+    assert (ok.status, ok.outcome, ok.completion_tokens, ok.tier) == (200, "length", 2, "default")
+    assert ok.prompt_tokens > 0 and ok.ttft_s is not None and ok.duration_s >= ok.ttft_s
+    assert (by_id["bad"].status, by_id["bad"].outcome, by_id["bad"].code) == (400, "rejected", "unsupported_value")
+    assert (by_id["refused"].status, by_id["refused"].outcome) == (429, "rejected")
+    assert (by_id["big"].status, by_id["big"].code) == (413, "request_too_large")
+    assert (by_id["gone"].status, by_id["gone"].outcome) == (200, "client_gone")
 
 
 def test_ipv6_loopback(certs):
@@ -498,6 +617,15 @@ def test_curl_http3_streams_sse(srv):
 
 
 # ------------------------------------------------------------------ TLS and `edged chat`
+
+def test_client_on_uvloop(srv, certs):
+    uvloop = pytest.importorskip("uvloop")
+
+    async def go():
+        async with client(srv, certs) as c:
+            await assert_healthy(c)
+    uvloop.run(asyncio.wait_for(go(), 20))
+
 
 def test_self_signed_cert_is_created_once_and_reused(tmp_path):
     cert, key = ensure_cert(tmp_path)
@@ -548,7 +676,8 @@ def test_run_chat_command(srv, certs, capsys, tmp_path):
 
     wrong_ca, _ = ensure_cert(tmp_path)
     assert run_chat_command("hi", "127.0.0.1", srv.port, wrong_ca, False, None, None) == 1
-    assert "--ca-file" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "certificate verification failed" in err and "--ca-file" in err and "--insecure" in err
 
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:  # a port nobody answers on
         s.bind(("127.0.0.1", 0))

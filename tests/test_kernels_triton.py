@@ -154,6 +154,17 @@ def test_linear_w4_groups_gemv_split(group: int) -> None:
     _check_linear(x, w, tlin.LinearConfig("gemv", 1, 16, group, split=1))
 
 
+def test_linear_w4_gemv_bf16_x_words() -> None:
+    # the w4 GEMV reads bf16 x as 32-bit words (integer ops only, so the interpreter gets them right);
+    # this x starts at an odd element, off the word boundary
+    torch.manual_seed(2)
+    w = _weight("w4", 40, 256, torch.bfloat16, bias=True)
+    x = torch.randn(1, 300).to(torch.bfloat16)[:, 1:257]
+    got = tlin.linear(x, w).float()
+    want = reference.linear(x.float(), _as_f32(w))
+    assert (got - want).abs().max().item() <= 1e-2 * want.abs().max().item()
+
+
 @pytest.mark.parametrize("fmt", ["dense", "w8"])
 def test_linear_gemv_ragged_k(fmt: str) -> None:
     torch.manual_seed(0)
@@ -356,3 +367,48 @@ def test_sample_matches_reference() -> None:
     greedy = torch.zeros(b)
     assert torch.equal(ops.sample(logits.half(), greedy, top_k, top_p, seeds, offsets),
                        reference.sample(logits.half(), greedy, top_k, top_p, seeds, offsets))
+
+
+# ----------------------------------------------------------------------------------------- whole model
+
+def test_llama_forward_matches_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tiny random Llama on the Triton ops (strided q/k/v views of the fused qkv, int8 KV, a prefill
+    with two sequences, then a decode step) against the same model on the reference ops."""
+    import edged.kernels as kernels
+    from edged.models.batch import AttentionMetadata, KVCache
+    from edged.models.config import ModelConfig
+    from edged.models.llama import LayerWeights, LlamaModel, LlamaWeights
+
+    cfg = ModelConfig(vocab_size=50, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=16)
+    g = torch.Generator().manual_seed(0)
+
+    def lin(n: int, k: int, fmt: str) -> LinearWeight:
+        dense = torch.randn(n, k, generator=g) * 0.1
+        return LinearWeight("dense", dense) if fmt == "dense" else quantize_w8(dense) if fmt == "w8" \
+            else quantize_w4(dense, 32)
+
+    def norm() -> torch.Tensor:
+        return 1 + 0.1 * torch.randn(64, generator=g)
+
+    layers = [LayerWeights(norm(), lin(128, 64, "w4"), lin(64, 64, "w8"), norm(), lin(192, 64, "dense"),
+                           lin(64, 96, "w4")) for _ in range(2)]
+    model = LlamaModel(cfg, LlamaWeights(torch.randn(50, 64, generator=g), layers, norm(), lin(50, 64, "w8")),
+                       max_positions=64)
+    tables = torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32)
+    ids = torch.randint(0, 50, (13,), generator=g)
+    pos = torch.tensor(list(range(9)) + list(range(4)))
+    slots = torch.tensor([p for p in range(9)] + [4 * 8 - 8 + p for p in range(4)])  # block 3 starts at slot 24
+    prefill = AttentionMetadata(False, slots, tables, torch.tensor([9, 4], dtype=torch.int32),
+                                torch.tensor([0, 9, 13], dtype=torch.int32))
+    decode = AttentionMetadata(True, torch.tensor([9, 28]), tables, torch.tensor([10, 5], dtype=torch.int32),
+                               torch.tensor([0, 1, 2], dtype=torch.int32))
+    for int8 in (False, True):
+        outs = []
+        for backend in (reference, ops):
+            monkeypatch.setattr(kernels, "backend_for", lambda t, b=backend: b)
+            kv = KVCache.allocate(2, 6, 8, 2, 16, torch.float32, "cpu", int8=int8)
+            h1 = model.forward(ids, pos, prefill, kv)
+            h2 = model.forward(ids[[8, 12]], torch.tensor([9, 4]), decode, kv)
+            outs.append(torch.cat([model.logits(h1), model.logits(h2)]))
+        torch.testing.assert_close(outs[1], outs[0], atol=2e-4, rtol=2e-4)

@@ -160,7 +160,7 @@ def test_llama3_rope_factors_become_rope_scaling() -> None:
 
 def test_tokenizer_matches_transformers(loaded_model: LoadedModel, hf_tokenizer) -> None:
     tok = loaded_model.tokenizer
-    for text in TEXTS + [SPECIAL_TEXT]:
+    for text in [*TEXTS, SPECIAL_TEXT]:
         assert tok.encode(text) == hf_tokenizer.encode(text, add_special_tokens=False), repr(text)
     assert tok.vocab_size == len(hf_tokenizer) == 49152
     assert tok.bos_token == hf_tokenizer.bos_token and tok.eos_token == hf_tokenizer.eos_token
@@ -178,7 +178,7 @@ def test_decode_round_trips(loaded_model: LoadedModel) -> None:
 
 def test_incremental_detokenizer_equals_full_decode(loaded_model: LoadedModel) -> None:
     tok = loaded_model.tokenizer
-    for text in TEXTS + [SPECIAL_TEXT]:
+    for text in [*TEXTS, SPECIAL_TEXT]:
         ids = tok.encode(text)
         detok = tok.detokenizer()
         deltas = [detok.add(i) for i in ids] + [detok.flush()]
@@ -236,7 +236,8 @@ def test_bad_messages_are_value_errors(loaded_model: LoadedModel, messages) -> N
 def test_chatml_fallback_and_template_errors() -> None:
     fallback = ChatTemplate(None)
     assert fallback.is_fallback and fallback.source == CHATML_TEMPLATE
-    assert fallback.render([{"role": "user", "content": "Hi"}]) == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    want = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    assert fallback.render([{"role": "user", "content": "Hi"}]) == want
     strict = ChatTemplate("{% if messages[0]['role'] != 'user' %}{{ raise_exception('user first') }}{% endif %}"
                           "{{ bos_token }}{{ messages[0]['content'] }}{{ eos_token }}", "<s>", "</s>")
     assert strict.render([{"role": "user", "content": "x"}]) == "<s>x</s>"
@@ -259,6 +260,10 @@ def test_load_model_rejects_what_it_cannot_load(tmp_path: Path) -> None:
     other.write_bytes(b"\0")
     with pytest.raises(ValueError, match="weights.bin"):
         load_model(other)
+    fake = tmp_path / "fake.gguf"
+    fake.write_bytes(b"not a gguf file" * 8)
+    with pytest.raises(ValueError, match="fake.gguf is not a readable GGUF"):
+        load_model(fake)
 
 
 def test_hf_directory_loads(tiny_hf_dir, loaded_model: LoadedModel) -> None:

@@ -199,6 +199,12 @@ def test_context_checks():
     e = refused(lambda _: wire.make_generation_request(p2, [1] * 90, "r", "default", 100, 64), b"")
     assert (e.code, e.param) == ("context_length_exceeded", "max_tokens")
     assert wire.make_generation_request(p2, [1] * 89, "r", "default", 100, 64).sampling.max_tokens == 11
+    # server limits: max_tokens_limit caps explicit and default values, max_prompt_tokens the prompt
+    e = refused(lambda _: wire.make_generation_request(p2, [1] * 10, "r", "default", 100, 64, 10), b"")
+    assert (e.status, e.code, e.param) == (400, "invalid_value", "max_tokens")
+    assert wire.make_generation_request(p, [1] * 10, "r", "default", 100, 64, 20).sampling.max_tokens == 20
+    e = refused(lambda _: wire.make_generation_request(p, [1] * 31, "r", "default", 100, 64, None, 30), b"")
+    assert e.code == "context_length_exceeded"
     # zero tokens
     e = refused(lambda _: wire.make_generation_request(p, [], "r", "default", 100, 64), b"")
     assert e.code == "invalid_value"

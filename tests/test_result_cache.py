@@ -6,6 +6,7 @@ import dataclasses
 import logging
 import os
 import random
+import select
 import signal
 import sqlite3
 import subprocess
@@ -316,9 +317,12 @@ def test_failures_are_misses_not_exceptions(cache: ResultCache) -> None:
 
 def test_corruption_found_while_serving_replaces_the_file(cache: ResultCache, monkeypatch) -> None:
     cache.put(key(1), result(1))
-    err = sqlite3.DatabaseError("database disk image is malformed")
-    err.sqlite_errorcode = 11  # SQLITE_CORRUPT
-    monkeypatch.setattr(cache, "_get", lambda k: (_ for _ in ()).throw(err))
+    def corrupt_read(k: str) -> None:
+        err = sqlite3.DatabaseError("database disk image is malformed")
+        err.sqlite_errorcode = 11  # SQLITE_CORRUPT
+        raise err
+
+    monkeypatch.setattr(cache, "_get", corrupt_read)
     assert cache.get(key(1)) is None
     monkeypatch.undo()
     assert cache.available and len(corrupt_files(cache.path.parent)) == 1
@@ -423,15 +427,14 @@ def test_sigkill_mid_write_never_corrupts(tmp_path: Path) -> None:
             text=True,
         )
         try:
-            line = proc.stdout.readline()  # type: ignore[union-attr]
-            assert line == "started\n", f"writer did not start: {line!r} {proc.stderr.read()}"  # type: ignore[union-attr]
-            time.sleep(rng.uniform(0.0, 0.4))
-            os.kill(proc.pid, signal.SIGKILL)
-            out, err = proc.communicate(timeout=10)
+            ready, _, _ = select.select([proc.stdout], [], [], 20)
+            first = proc.stdout.readline() if ready else ""  # type: ignore[union-attr]
+            if first == "started\n":
+                time.sleep(rng.uniform(0.0, 0.4))
         finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
+            proc.kill()  # SIGKILL
+            out, err = proc.communicate(timeout=10)
+        assert first == "started\n", f"writer did not start: {first!r} {err}"
         assert proc.returncode == -signal.SIGKILL, f"writer exited on its own: {proc.returncode} {err}"
         committed = out.split("\n")[:-1]  # the last piece is a line cut short by the kill, or ''
         puts += _check_after_kill(path, committed)

@@ -1,0 +1,21 @@
+"""`edged bench decode | kernels | serve`: each kind lives in its own module, imported only when run."""
+from __future__ import annotations
+
+import argparse
+
+
+def run_bench_command(args: argparse.Namespace) -> int:
+    """Dispatch on `args.bench`; returns the exit status."""
+    if args.bench == "serve":
+        from edged.bench.serve import run_serve_bench
+
+        return run_serve_bench(args)
+    if args.bench == "decode":
+        from edged.bench.decode import run_decode_bench
+
+        return run_decode_bench(args)
+    if args.bench == "kernels":
+        from edged.bench.kernels import run_kernels_bench
+
+        return run_kernels_bench(args)
+    raise ValueError(f"unknown benchmark {args.bench!r}")

@@ -226,7 +226,7 @@ class ResultCache:
         self.enabled = enabled
         self._clock = clock
         self._busy_timeout_s = busy_timeout_s
-        self._lock = threading.Lock()  # guards the connection and every counter below
+        self._lock = threading.Lock()  # guards the connection and the counters below but `dropped`
         self._conn: sqlite3.Connection | None = None
         self._closed = False
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edged-cache")
@@ -266,16 +266,20 @@ class ResultCache:
         return self._conn is not None
 
     def get(self, key: str) -> CachedResult | None:
+        """The entry for `key` (and mark it recently used), or None: absent, expired, bad row,
+        cache disabled or failing."""
         if self._conn is None:
             return None
         try:
             with self._lock:
                 return self._get(key)
-        except Exception as e:  # noqa: BLE001 - the daemon must keep serving
+        except Exception as e:  # the daemon must keep serving
             self._failed("get", e, miss=True)
             return None
 
     def put(self, key: str, result: CachedResult) -> None:
+        """Store `result` under `key` (replacing), then expire and evict down to the cap, all in one
+        transaction. Cancelled/errored results and results larger than the whole cap are skipped."""
         if self._conn is None or result.finish_reason in UNCACHEABLE_FINISH:
             return
         try:
@@ -284,7 +288,7 @@ class ResultCache:
                 return  # could never fit
             with self._lock:
                 self._put(key, payload)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             self._failed("put", e)
 
     def stats(self) -> dict[str, Any]:
@@ -319,12 +323,13 @@ class ResultCache:
         return n
 
     def reconfigure(self, max_bytes: int | None, ttl_s: float | None, enabled: bool) -> None:
-        """Live reload: apply a new cap/TTL at once (evicting and expiring now), or enable/disable."""
+        """Live reload: apply a new cap/TTL at once (evicting and expiring now), or enable/disable.
+        Enabling opens the file (quick_check reads all of it): call it off the loop thread."""
         try:
             with self._lock:
                 if self._closed:
                     return
-                shrinking = max_bytes is not None and (self.max_bytes is None or max_bytes < self.max_bytes)
+                changed = (max_bytes, ttl_s, enabled) != (self.max_bytes, self.ttl_s, self.enabled)
                 self.max_bytes, self.ttl_s, self.enabled = max_bytes, ttl_s, enabled
                 if not enabled:
                     if self._conn is not None:
@@ -337,10 +342,11 @@ class ResultCache:
                     with _transaction(conn):
                         removed = self._expire_all(conn, self._clock()) + self._evict(conn)
                     self._refresh_totals(conn)
-                    if shrinking and removed:
+                    if removed:
                         self._shrink_file(conn)
-            log.info("result cache reconfigured %s", fields(max_bytes=max_bytes, ttl_s=ttl_s, enabled=enabled))
-        except Exception as e:  # noqa: BLE001
+            if changed:
+                log.info("result cache reconfigured %s", fields(max_bytes=max_bytes, ttl_s=ttl_s, enabled=enabled))
+        except Exception as e:
             self._failed("reconfigure", e)
 
     def close(self) -> None:
@@ -455,7 +461,7 @@ class ResultCache:
             return None
         try:
             return _decode(payload)
-        except Exception:  # noqa: BLE001 - any decode failure is a bad row
+        except Exception:  # any decode failure is a bad row
             return None
 
     def _expire_all(self, conn: sqlite3.Connection, now: float) -> int:

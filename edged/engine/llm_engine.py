@@ -140,6 +140,8 @@ class LLMEngine:
             if token is None:
                 continue
             self.counters.decode_tokens += 1
+            if seq.first_token_at is None:
+                seq.first_token_at = now  # TTFT (edged.scheduler records it per tier)
             seq.append(token, self.max_model_len)
             out = StepOutput(seq.request_id, [token], seq.status is SequenceStatus.FINISHED, seq.finish_reason)
             if out.finished:
@@ -149,6 +151,7 @@ class LLMEngine:
         self.counters.steps += 1
         self.counters.last_step_s = time.perf_counter() - start
         self.counters.last_batch_size = len(plan.chunks)
+        self.batcher.step_done(plan, self.counters.last_step_s)  # step-time model, TTFT per tier
         return outputs
 
     def run(self) -> None:

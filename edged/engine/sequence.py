@@ -26,6 +26,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     first_scheduled_at: float | None = None
+    first_token_at: float | None = None  # when the first generated token came out (TTFT = this - arrival)
 
     @classmethod
     def from_request(cls, request: GenerationRequest, seed: int, eos_token_ids: frozenset[int]) -> "Sequence":

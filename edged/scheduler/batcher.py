@@ -1,17 +1,37 @@
 """Batch selection: which sequences run in the next engine step, and how many tokens each.
 
-Every running sequence decodes one token; waiting sequences are admitted in queue order and their
-prompts prefilled in chunks within the per-step token budget, so a long prompt never stalls the
-running decodes. When KV blocks run out, the newest running sequence is preempted (its blocks
-freed, its tokens recomputed later), which leaves its output unchanged.
+Each step, in this order, within the batch cap (`max_num_seqs`, PCIe-derived), the per-step token
+budget and the free KV blocks:
+
+1. every running sequence that is decoding gets its one token (most important tier first);
+2. waiting sequences about to miss their TTFT target start, preempting running sequences of
+   *lower* tiers if slots or blocks are short;
+3. running sequences still prefilling get their next prompt chunk (chunked prefill: a long prompt
+   never stalls the decodes of step 1);
+4. other waiting sequences start in weighted-fair order between tiers, earliest deadline first
+   within a tier (see tiers.py). A tier's new requests may be held for its batch window while
+   other work runs, so that they start together rather than one prefill per step.
+
+Preemption is by recompute: the victim's blocks are released and it is queued again with its
+original deadline; recomputing its prompt and generated tokens leaves its output unchanged. When
+KV blocks run out for a running sequence, the least important running sequence gives way.
 """
 from __future__ import annotations
 
-from collections import deque
+import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from edged.config import TierConfig
 from edged.engine.block_manager import BlockManager
 from edged.engine.sequence import Sequence, SequenceStatus
+from edged.log import fields
+
+from .step_stats import StepStats
+from .tiers import AdaptPolicy, Entry, TierBoard, TierScheduler
+
+log = logging.getLogger("edged.scheduler")
 
 
 @dataclass(slots=True)
@@ -45,79 +65,346 @@ class StepPlan:
     def num_tokens(self) -> int:
         return sum(c.num_new_tokens for c in self.chunks)
 
+    @property
+    def num_prefill_tokens(self) -> int:
+        """Tokens beyond one per sequence: what prompt (or recompute) chunks add to a decode step."""
+        return sum(c.num_new_tokens for c in self.chunks if c.num_new_tokens > 1)
+
 
 class Batcher:
-    def __init__(self, blocks: BlockManager, limits: BatchLimits) -> None:
+    """Continuous batcher with SLA tiers. Engine thread only, except `board` (shared, locked).
+
+    tiers / default_tier: the config's tiers (None: the built-in gold/silver/bronze, default silver).
+    clock: monotonic seconds, the same clock as `GenerationRequest.arrival_time` (a simulated one in tests).
+    preemption: "recompute" (lower tiers give way to a higher tier about to miss its target), "off"
+    (only KV-block pressure preempts), "swap" (not implemented yet: behaves as recompute).
+    urgency_fraction: a waiting request is urgent once less than this fraction of its TTFT target (or
+    its predicted prefill plus two steps, if more) is left before its deadline.
+    max_preemptions: a sequence preempted this often for a higher tier is not preempted for one again.
+    """
+
+    def __init__(self, blocks: BlockManager, limits: BatchLimits, tiers: dict[str, TierConfig] | None = None,
+                 default_tier: str | None = None, *, clock: Callable[[], float] = time.monotonic,
+                 step_stats: StepStats | None = None, board: TierBoard | None = None,
+                 preemption: str = "recompute", urgency_fraction: float = 0.25, max_preemptions: int = 3,
+                 policy: AdaptPolicy | None = None) -> None:
         self.blocks = blocks
         self.limits = limits
-        self.waiting: deque[Sequence] = deque()
+        self.clock = clock
+        self.board = board if board is not None else TierBoard(tiers, default_tier, clock=clock, policy=policy)
+        self.step_stats = step_stats if step_stats is not None else StepStats()
+        self.queues = TierScheduler(self.board)
         self.running: list[Sequence] = []
+        self.preemption = preemption
+        if preemption == "swap":
+            log.warning("scheduler.preemption=swap is not implemented yet; preempting by recompute")
+        self.urgency_fraction = urgency_fraction
+        self.max_preemptions = max_preemptions
+        self.max_batch_seen = 0  # the largest batch any step ran (tests: never above the cap)
+        self.steps_planned = 0
+        self._rejects: list[Sequence] = []
+        self._last_adapt = float("-inf")
+        # per-schedule state
+        self._plan = StepPlan()
+        self._chunks: dict[Sequence, ScheduledChunk] = {}
+        self._budget = 0
+        self._now = 0.0
+        self._kv_blocked = False
+
+    # --- membership ---
+    @property
+    def waiting(self) -> list[Sequence]:
+        """Waiting sequences, most important tier first, each tier in deadline order."""
+        return [e.seq for e in self.queues.waiting()]
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        now = self.clock()
+        if -(-seq.num_tokens // self.blocks.block_size) > self.blocks.num_blocks:
+            tier = self.board.resolve(seq.request.tier)
+            self.board.release_pending(seq.request_id)
+            self.board.note_rejected(tier, "kv_capacity")
+            self._rejects.append(seq)
+            log.info("request too large for the KV cache %s", fields(
+                request_id=seq.request_id, tier=tier, tokens=seq.num_tokens,
+                kv_tokens=self.blocks.num_blocks * self.blocks.block_size))
+            return
+        e = self.queues.add(seq, now)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("queued %s", fields(request_id=seq.request_id, tier=e.tier, tokens=seq.num_tokens,
+                                          deadline_in_ms=round((e.deadline - now) * 1000, 1),
+                                          depth=self.queues.tier_waiting(e.tier)))
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.running or self._rejects or self.queues.num_waiting())
 
     def remove(self, seq: Sequence) -> None:
         """Take a finished or cancelled sequence out and free its blocks."""
+        if seq in self._rejects:
+            self._rejects.remove(seq)
+        e = self.queues.forget(seq)
         if seq in self.running:
             self.running.remove(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
+        if e is not None:
+            if e.running:
+                e.running = False
+                self.board.note_stopped(e.tier, finished=seq.finish_reason is not None,
+                                        cancelled=seq.finish_reason is None)
+            elif seq.finish_reason is None:
+                self.board.note_cancelled_waiting(e.tier)
+            if seq.finish_reason is not None:
+                self.step_stats.record_finished(seq.num_generated,
+                                                None if e.started_at is None else self.clock() - e.started_at)
+            self._maybe_record_ttft(e, self.clock())
         self.blocks.release(seq)
 
-    def _preempt_newest(self, plan: StepPlan, keep: Sequence) -> bool:
-        for victim in reversed(self.running):
-            if victim is keep:
-                continue
-            self.running.remove(victim)
-            plan.chunks = [c for c in plan.chunks if c.seq is not victim]
-            self.blocks.release(victim)
-            victim.status = SequenceStatus.WAITING
-            self.waiting.appendleft(victim)
-            plan.preempted.append(victim)
-            return True
-        return False
+    # --- the step plan ---
+    def _prio(self, seq: Sequence) -> tuple[int, float, int]:
+        """Smaller is more important: tier rank, then deadline, then arrival at the engine."""
+        e = self.queues.entries[seq]
+        return (self.board.tiers[e.tier].rank, e.deadline, e.serial)
 
-    def schedule(self) -> StepPlan:
-        plan = StepPlan()
-        budget = self.limits.max_batch_tokens
-        # Running sequences first: each needs room for one more token (or the rest of its prompt).
-        for seq in list(self.running):
-            if seq not in self.running:
-                continue  # preempted while making room for an earlier one
-            n = min(seq.num_uncomputed, budget)
-            if n <= 0:
+    def _add_chunk(self, seq: Sequence, n: int) -> None:
+        chunk = ScheduledChunk(seq, n)
+        self._plan.chunks.append(chunk)
+        self._chunks[seq] = chunk
+        self._budget -= n
+
+    def _preempt(self, victim: Sequence, why: str, for_seq: Sequence | None = None) -> None:
+        """Release victim's blocks and queue it again (recompute later, same deadline)."""
+        chunk = self._chunks.pop(victim, None)
+        if chunk is not None:
+            self._plan.chunks.remove(chunk)
+            self._budget += chunk.num_new_tokens
+        self.running.remove(victim)
+        self.blocks.release(victim)
+        victim.status = SequenceStatus.WAITING
+        e = self.queues.entries[victim]
+        e.running = False
+        if for_seq is not None:  # the higher tier pays for the victim's restart in fair-share terms
+            e.preemptions += 1
+            if not e.restart_paid:
+                e.restart_paid = True
+                self.queues.charge(self.queues.entries[for_seq].tier)
+        self.board.note_stopped(e.tier, preempted=True)
+        self.queues.push(e)
+        self._plan.preempted.append(victim)
+        log.info("preempted %s", fields(
+            request_id=victim.request_id, tier=e.tier, reason=why, generated=victim.num_generated,
+            recompute_tokens=victim.num_tokens,
+            **({"for_request_id": for_seq.request_id, "for_tier": self.queues.entries[for_seq].tier}
+               if for_seq is not None else {})))
+
+    def _reject_running(self, seq: Sequence) -> None:
+        """seq cannot fit even alone: the pool is smaller than this one request."""
+        self._chunks.pop(seq, None)
+        self.running.remove(seq)
+        self.blocks.release(seq)
+        e = self.queues.forget(seq)
+        if e is not None:
+            e.running = False
+            self.board.note_stopped(e.tier)
+            self.board.note_rejected(e.tier, "kv_capacity")
+        self._plan.rejected.append(seq)
+        log.info("request too large for the KV cache %s", fields(request_id=seq.request_id,
+                                                                  tokens=seq.num_tokens))
+
+    def _grow(self, seq: Sequence, n: int) -> bool:
+        """Blocks for n more tokens of running seq, preempting less important running sequences
+        (least important first); if none is less important, seq itself goes back to the queue."""
+        while not self.blocks.allocate(seq, seq.num_computed + n):
+            mine = self._prio(seq)
+            lower = [s for s in self.running if s is not seq and self._prio(s) > mine]
+            if lower:
+                self._preempt(max(lower, key=self._prio), "kv_blocks")
                 continue
-            while not self.blocks.allocate(seq, seq.num_computed + n):
-                if not self._preempt_newest(plan, keep=seq):
-                    break
+            if len(self.running) == 1:
+                self._reject_running(seq)
             else:
-                plan.chunks.append(ScheduledChunk(seq, n))
-                budget -= n
-                continue
-            # Not even alone does it fit: give it back to the queue (nothing else holds blocks).
-            self.running.remove(seq)
-            self.blocks.release(seq)
-            seq.status = SequenceStatus.WAITING
-            self.waiting.appendleft(seq)
-        # Then admit waiting sequences while the batch cap, token budget and blocks allow.
-        while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
-            seq = self.waiting[0]
+                self._preempt(seq, "kv_blocks")
+            return False
+        return True
+
+    def _preempt_for(self, e: Entry) -> bool:
+        """Make room for urgent waiting e by preempting the least important running sequence of a
+        lower tier; False if there is none (or preemption is off)."""
+        if self.preemption == "off":
+            return False
+        rank = self.board.tiers[e.tier].rank
+        victims = [s for s in self.running
+                   if self.board.tiers[self.queues.entries[s].tier].rank > rank
+                   and self.queues.entries[s].preemptions < self.max_preemptions]
+        if not victims:
+            return False
+        self._preempt(max(victims, key=self._prio), "higher_tier_deadline", for_seq=e.seq)
+        return True
+
+    def _urgent_fn(self, running_before: int) -> Callable[[Entry], bool]:
+        m = self.step_stats.model
+        now, budget, frac = self._now, max(1, self.limits.max_batch_tokens), self.urgency_fraction
+        step = m.a + m.c * (running_before + 1)
+
+        def urgent(e: Entry) -> bool:
+            if e.seq.first_token_at is not None:
+                return False
+            slack = e.deadline - now
+            target = self.board.tiers[e.tier].target_s
+            if slack > target * frac:
+                toks = e.seq.num_uncomputed
+                need = m.b * toks + (-(-toks // budget) + 2) * step
+                return slack <= need
+            return True
+
+        return urgent
+
+    def _eligible_fn(self, idle: bool) -> Callable[[str, Entry], bool]:
+        """The batch window: may tier start its head now?"""
+        now = self._now
+        free = max(0, self.limits.max_num_seqs - len(self.running))
+
+        def eligible(tier: str, head: Entry) -> bool:
+            if idle or head.started:
+                return True
+            window = self.board.tiers[tier].window_ms / 1000.0
+            if window <= 0 or now - head.enqueued_at >= window:
+                return True
+            st = self.board.tiers[tier]  # a full batch is waiting: no reason to hold it
+            return st.waiting >= free or st.waiting_tokens >= self._budget
+
+        return eligible
+
+    def _start_waiting(self, urgent_only: bool, idle: bool, urgent: Callable[[Entry], bool]) -> None:
+        """Start waiting sequences. The weighted-fair choice goes first unless an urgent head is of the
+        same or a more important tier; an urgent head may preempt lower tiers when slots or blocks are
+        short. urgent_only: start only urgent heads, and into a free slot only when no more important
+        tier is waiting for it."""
+        cap = max(1, self.limits.max_num_seqs)
+        eligible = self._eligible_fn(idle)
+        rank = self.queues.rank_of
+        skip: set[str] = set()
+        while self._budget > 0:
+            u, f = self.queues.candidates(eligible=eligible, urgent=urgent, skip=skip)
+            full = len(self.running) >= cap
+            if u is not None and (f is None or rank(u) <= rank(f) or (urgent_only and full)):
+                e, is_urgent = u, True
+            elif not urgent_only and f is not None:
+                e, is_urgent = f, False
+            else:
+                return
+            seq = e.seq
+            if full:
+                if is_urgent and self._preempt_for(e):
+                    continue
+                if is_urgent:
+                    skip.add(e.tier)  # nothing below it to preempt
+                    continue
+                return
             self.blocks.attach_prefix(seq)
-            n = min(seq.num_uncomputed, budget)
+            n = min(seq.num_uncomputed, self._budget)
             if not self.blocks.allocate(seq, seq.num_computed + n):
-                self.blocks.release(seq)
-                if self.running:
-                    break
-                # Alone and still too big: the pool is smaller than this one request.
-                self.waiting.popleft()
-                plan.rejected.append(seq)
-                continue
-            self.waiting.popleft()
+                self.blocks.release(seq)  # drop the prefix references taken above
+                if is_urgent and self._preempt_for(e):
+                    continue
+                if is_urgent:
+                    skip.add(e.tier)
+                    continue
+                self._kv_blocked = True
+                return  # wait for blocks in queue order
+            if e.started_at is None:
+                e.started_at = self._now
+            self.queues.start(e)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            plan.chunks.append(ScheduledChunk(seq, n))
-            budget -= n
+            self._add_chunk(seq, n)
+
+    def schedule(self) -> StepPlan:
+        now = self._now = self.clock()
+        self._plan = plan = StepPlan()
+        self._chunks = {}
+        self._budget = self.limits.max_batch_tokens
+        self._kv_blocked = False
+        cap = max(1, self.limits.max_num_seqs)
+        if self._rejects:
+            plan.rejected.extend(self._rejects)
+            self._rejects.clear()
+        self._adapt(now)
+        idle = not self.running
+        running_before = len(self.running)
+        # The cap may have been lowered live: the least important sequences give way.
+        while len(self.running) > cap:
+            self._preempt(max(self.running, key=self._prio), "batch_cap")
+        # 1. Decodes, most important first.
+        for seq in sorted(self.running, key=self._prio):
+            if self._budget <= 0:
+                break
+            if seq in self.running and seq.num_uncomputed == 1 and self._grow(seq, 1):
+                self._add_chunk(seq, 1)
+        # 2. Urgent waiting requests (may preempt lower tiers).
+        urgent = self._urgent_fn(running_before)
+        self._start_waiting(True, idle, urgent)
+        # 3. Prefill chunks of running sequences.
+        for seq in sorted(self.running, key=self._prio):
+            if self._budget <= 0:
+                break
+            if seq in self.running and seq not in self._chunks and seq.num_uncomputed > 0:
+                n = min(seq.num_uncomputed, self._budget)
+                if self._grow(seq, n):
+                    self._add_chunk(seq, n)
+        # 4. Weighted-fair starts.
+        self._start_waiting(False, idle, urgent)
+        self.max_batch_seen = max(self.max_batch_seen, len(plan.chunks))
+        self.steps_planned += 1
+        # While KV blocks rather than the cap bound the batch, admission counts the slots actually usable.
+        kv_bound = self._kv_blocked and len(self.running) < cap
+        self.board.publish_engine(slots=max(1, len(self.running)) if kv_bound else cap,
+                                  budget=self.limits.max_batch_tokens, running=len(self.running))
         return plan
+
+    def step_done(self, plan: StepPlan, duration_s: float) -> None:
+        """The engine ran `plan` in duration_s: update the step-time model and record first tokens."""
+        if plan.chunks:
+            self.step_stats.record_step(duration_s, plan.num_prefill_tokens, len(plan.chunks))
+        now = self.clock()
+        for chunk in plan.chunks:
+            e = self.queues.entries.get(chunk.seq)
+            if e is not None:
+                self._maybe_record_ttft(e, now)
+
+    def _maybe_record_ttft(self, e: Entry, now: float) -> None:
+        seq = e.seq
+        if e.ttft_recorded or seq.first_token_at is None:
+            return
+        e.ttft_recorded = True
+        ttft = seq.first_token_at - seq.request.arrival_time
+        if not self.board.record_ttft(e.tier, ttft, now):
+            log.info("ttft target missed %s", fields(
+                request_id=seq.request_id, tier=e.tier, ttft_ms=round(ttft * 1000, 1),
+                target_ms=self.board.tiers[e.tier].config.ttft_target_ms))
+
+    def _adapt(self, now: float) -> None:
+        self.queues.tick(now)
+        if now - self._last_adapt >= self.board.policy.interval_s:
+            self._last_adapt = now
+            self.board.adapt(now, self.queues.overdue(now), self.queues.backlog_rates())
+
+    # --- live reconfiguration and metrics ---
+    def reconfigure(self, tiers: dict[str, TierConfig], default_tier: str, limits: BatchLimits | None = None) -> None:
+        """Apply reloaded tier configs and limits (engine thread, between steps: `LLMEngine.call`).
+        Queued requests keep their deadlines and places; tiers that disappear hand their queue to
+        the default tier; a lowered batch cap takes effect at the next step."""
+        removed = self.board.reconfigure(tiers, default_tier)
+        self.queues.reconfigure(removed)
+        if limits is not None:
+            self.limits.max_num_seqs = limits.max_num_seqs
+            self.limits.max_batch_tokens = limits.max_batch_tokens
+        log.info("scheduler reconfigured %s", fields(
+            tiers=",".join(self.board.names()), default_tier=default_tier, removed=",".join(removed) or "-",
+            max_num_seqs=self.limits.max_num_seqs, max_batch_tokens=self.limits.max_batch_tokens))
+
+    def snapshot(self) -> dict[str, dict]:
+        return self.board.snapshot()
+
+    def admission(self, **kwargs):
+        """An AdmissionController that reads this batcher's board, step model and limits."""
+        from .admission import AdmissionController
+
+        return AdmissionController(self.board, self.step_stats, self.limits, clock=self.clock, **kwargs)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import socket
 import ssl
 import sys
@@ -25,7 +26,8 @@ from aioquic.asyncio import QuicConnectionProtocol
 from aioquic.h3.connection import H3_ALPN, ErrorCode, H3Connection
 from aioquic.h3.events import DataReceived, H3Event, HeadersReceived
 from aioquic.quic.configuration import QuicConfiguration
-from aioquic.quic.events import ConnectionTerminated, QuicEvent, StreamReset
+from aioquic.quic.connection import QuicConnection
+from aioquic.quic.events import ConnectionTerminated, HandshakeCompleted, QuicEvent, StreamReset
 
 HeadersArg = Mapping[str, str] | Iterable[tuple[str, str]] | None
 _END = object()
@@ -140,22 +142,63 @@ class ResponseStream:
             self._queue.put_nowait(exc)
 
 
+class _ConnectedTransport:
+    """The client's UDP socket is connected (so ICMP errors reach us); uvloop refuses sendto() with
+    an address on a connected socket, so drop it."""
+
+    def __init__(self, transport: Any) -> None:
+        self._transport = transport
+
+    def sendto(self, data: bytes, addr: Any = None) -> None:
+        self._transport.sendto(data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
 class _ClientProtocol(QuicConnectionProtocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.http = H3Connection(self._quic)
         self.streams: dict[int, ResponseStream] = {}
         self.terminated: ConnectionTerminated | None = None
+        self.refused: Exception | None = None
+        self.handshake_done = False
+        self.settled = asyncio.Event()  # handshake completed, or failed
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(_ConnectedTransport(transport))
+
+    def transmit(self) -> None:
+        if self._transport is None or self._transport.is_closing():  # closed: stop the timers too
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+            return
+        super().transmit()
+
+    def error_received(self, exc: Exception) -> None:
+        # The socket is connected, so an ICMP port-unreachable surfaces here: fail the handshake
+        # at once instead of waiting for the timeout.
+        if isinstance(exc, ConnectionRefusedError) and not self.handshake_done:
+            self.refused = exc
+            self.settled.set()
 
     def quic_event_received(self, event: QuicEvent) -> None:
         for h3_event in self.http.handle_event(event):
             self._h3_event(h3_event)
-        if isinstance(event, StreamReset):
+        if isinstance(event, HandshakeCompleted):
+            # Tracked here rather than with wait_connected(): on a fast loopback the handshake can
+            # complete before a waiter exists, and aioquic then never marks the protocol connected.
+            self.handshake_done = True
+            self.settled.set()
+        elif isinstance(event, StreamReset):
             rs = self.streams.pop(event.stream_id, None)
             if rs is not None:
                 rs._on_error(StreamError(f"the server reset the stream (error {event.error_code:#x})"))
         elif isinstance(event, ConnectionTerminated):
             self.terminated = event
+            self.settled.set()
             for rs in self.streams.values():
                 rs._on_error(StreamError(f"connection closed: {describe_close(event)}"))
             self.streams.clear()
@@ -228,27 +271,27 @@ class H3Client:
         except socket.gaierror as e:
             raise ConnectError(f"cannot resolve {self.host}: {e}") from None
         family, _, _, _, addr = infos[0]
-        from aioquic.quic.connection import QuicConnection
-
         quic = QuicConnection(configuration=config)
         self._transport, protocol = await loop.create_datagram_endpoint(
-            lambda: _ClientProtocol(quic), family=family, local_addr=("::", 0) if family == socket.AF_INET6 else
-            ("0.0.0.0", 0))
+            lambda: _ClientProtocol(quic), family=family, remote_addr=addr[:2])
         self._protocol = protocol
         protocol.connect(addr)
         try:
-            await asyncio.wait_for(protocol.wait_connected(), self.connect_timeout)
-        except (TimeoutError, ConnectionError) as e:
-            term = protocol.terminated
-            self._transport.close()
-            self._protocol = None
-            if _is_cert_failure(term):
-                raise CertificateError(f"TLS certificate verification failed: {describe_close(term)}") from None
-            if term is not None:
-                raise ConnectError(f"connection closed during the handshake: {describe_close(term)}") from None
-            if isinstance(e, TimeoutError):
-                raise ConnectError(f"no QUIC handshake within {self.connect_timeout:g}s") from None
-            raise ConnectError(str(e) or type(e).__name__) from None
+            await asyncio.wait_for(protocol.settled.wait(), self.connect_timeout)
+        except TimeoutError:
+            pass
+        if protocol.handshake_done and protocol.terminated is None:
+            return
+        term = protocol.terminated
+        self._transport.close()
+        self._protocol = None
+        if _is_cert_failure(term):
+            raise CertificateError(f"TLS certificate verification failed: {describe_close(term)}")
+        if term is not None:
+            raise ConnectError(f"connection closed during the handshake: {describe_close(term)}")
+        if protocol.refused is not None:
+            raise ConnectError("connection refused (nothing listens on that UDP port)")
+        raise ConnectError(f"no QUIC handshake within {self.connect_timeout:g}s")
 
     async def close(self) -> None:
         if self._protocol is None:
@@ -310,14 +353,19 @@ class H3Client:
                       timeout: float | None = 60.0) -> Response:
         """Send a request and read the whole response."""
 
+        rs = self._open(method, path, headers, body, True)
+
         async def run() -> Response:
-            rs = await self.stream(method, path, headers, body, timeout=None)
+            await rs._headers_seen.wait()
+            if rs.status == 0 and rs._error is not None:
+                raise rs._error
             data = await rs.read()
             return Response(rs.status, rs.headers, data)
 
         try:
             return await asyncio.wait_for(run(), timeout)
         except TimeoutError:
+            self.reset(rs)
             raise StreamError(f"no complete response within {timeout:g}s") from None
 
     def reset(self, stream: ResponseStream) -> None:
@@ -405,6 +453,9 @@ def run_chat_command(prompt: str, host: str, port: int, ca_file: str | None, ins
                      model: str | None = None, connect_timeout: float = 5.0) -> int:
     """`edged chat "PROMPT"`: stream the answer to stdout. 0 on success; 1 on any error (message on
     stderr); 130 on Ctrl-C."""
+    quic_log = logging.getLogger("quic")  # aioquic warns on stderr about e.g. a bad certificate; we say it better
+    if quic_log.level == logging.NOTSET:
+        quic_log.setLevel(logging.ERROR)
     messages: list[dict[str, Any]] = []
     if system:
         messages.append({"role": "system", "content": system})

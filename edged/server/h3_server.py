@@ -42,24 +42,38 @@ log = logging.getLogger("edged.server")
 REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 
 
+@dataclass(slots=True, frozen=True)
+class ApiKeyPolicy:
+    """What one API key may do (ServerSettings.api_keys is keyed by the sha256 hex of the key)."""
+
+    name: str
+    tier: str | None = None  # None: ServerSettings.default_tier
+    rate_limit_rps: float | None = None  # None: unlimited
+    burst: int | None = None  # None: max(1, ceil(rate_limit_rps))
+
+
 @dataclass(slots=True)
 class ServerSettings:
     """What the HTTP/3 front end needs from config; may be replaced while running (live reload)."""
 
     max_body_bytes: int = 1 << 20  # larger bodies: 413, as soon as the limit is crossed
-    default_max_tokens: int = 512  # when a request gives none (then also capped by the room left)
-    max_tokens_limit: int = 4096  # an explicit max_tokens above this: 400
-    default_tier: str = "default"  # the tier of a request that names none
+    default_max_tokens: int = 256  # when a request gives none (also capped by the limits and the room left)
+    max_tokens_limit: int | None = None  # an explicit max_tokens above this: 400
+    max_prompt_tokens: int | None = None  # longer prompts: 400 (None: max_model_len - 1)
+    tiers: tuple[str, ...] | None = None  # known tier names; None: accept any well-formed name
+    default_tier: str = "default"  # tier of a request that names none (and of keys without one)
+    tier_max_tokens: dict[str, int] = field(default_factory=dict)  # per-tier cap under max_tokens_limit
+    api_keys: dict[str, ApiKeyPolicy] | None = None  # sha256(key) hex -> policy; None: no authentication
+    request_timeout_s: float | None = None  # generation running longer is ended with an error
+    max_concurrent_streams: int = 128  # per connection, enforced by QUIC (new connections only)
     body_timeout_s: float = 30.0  # headers seen but the body never ends: 408
-    idle_timeout_s: float = 60.0  # QUIC idle timeout (connection level)
+    idle_timeout_s: float = 60.0  # QUIC idle timeout (new connections only)
     keepalive_s: float = 15.0  # PING interval while a connection has requests in flight
     send_high_water: int = 256 * 1024  # unacknowledged bytes per stream before a write waits
     send_stall_timeout_s: float = 30.0  # a client that acknowledges nothing for this long is dropped
     max_datagram_frame_size: int = 65536
-    tiers: tuple[str, ...] | None = None  # known tier names; None: accept any well-formed name
-    api_keys: dict[str, str] | None = None  # bearer key -> tier; None: no authentication
     drain_retry_after_s: int = 5  # Retry-After of the 503 sent while shutting down
-    extra: dict[str, Any] = field(default_factory=dict)  # room for the lead's keys
+    access_log: bool = True  # one INFO line per finished request (else DEBUG)
 
 
 class RequestStream:
@@ -84,12 +98,18 @@ class RequestStream:
         rid = self.headers.get("x-request-id", "")
         self.request_id = rid if REQUEST_ID_RE.fullmatch(rid) else uuid.uuid4().hex
         self.body = bytearray()
-        self.auth_tier: str | None = None  # set by the router when API keys are configured
+        self.api_key: ApiKeyPolicy | None = None  # set by the router when API keys are configured
         self.status: int | None = None
         self.headers_sent = False
         self.finished = False  # the response ended cleanly
         self.closed = False  # nothing more can be written (finished, reset, or connection gone)
         self.cancel_reason: str | None = None
+        # what the router fills in for its access log / metrics record
+        self.tier: str | None = None
+        self.outcome: str | None = None
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self.ttft: float | None = None
         self.task: asyncio.Task[None] | None = None
         self.started = protocol._loop.time()
         self._dispatched = False
@@ -101,6 +121,15 @@ class RequestStream:
 
     def header(self, name: str) -> str | None:
         return self.headers.get(name)
+
+    @property
+    def peer_host(self) -> str | None:
+        """The client's IP address (for loopback-only routes such as /metrics)."""
+        try:
+            host = self.protocol._quic._network_paths[0].addr[0]
+        except (AttributeError, IndexError):
+            return None
+        return host[7:] if host.startswith("::ffff:") else host
 
     # ---- request side (called by the protocol)
 
@@ -145,9 +174,8 @@ class RequestStream:
     def _reject(self, err: wire.WireError, stop_reading: bool = False) -> None:
         """Answer before any handler ran (bad framing, too large, too slow)."""
         self._cancel_body_timer()
-        log.info("request rejected %s", fields(rid=self.request_id, method=self.method or "-",
-                                                   path=self.path or "-", status=err.status, code=err.code))
         self.respond_error(err)
+        self.protocol.server.router.rejected(self, err)
         if stop_reading:
             self.protocol.stop_reading(self.stream_id)
         self.protocol.forget(self)
@@ -289,6 +317,10 @@ class HttpServerProtocol(QuicConnectionProtocol):
     def __init__(self, *args: Any, server: EdgedServer, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.server = server
+        # QUIC's MAX_STREAMS is the per-connection concurrency limit; aioquic fixes it at 128 and
+        # has no setting, so set its Limit before the handshake advertises it.
+        limit = self._quic._local_max_streams_bidi
+        limit.value = limit.sent = max(1, server.settings.max_concurrent_streams)
         self._http: H3Connection | None = None
         self._requests: dict[int, RequestStream] = {}
         self._drain_waiters: dict[int, asyncio.Future[None]] = {}

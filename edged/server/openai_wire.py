@@ -403,11 +403,14 @@ def make_generation_request(
     tier: str,
     max_model_len: int,
     default_max_tokens: int,
+    max_tokens_limit: int | None = None,
+    max_prompt_tokens: int | None = None,
 ) -> GenerationRequest:
     """Check the prompt against the context and settle max_tokens.
 
-    Prompt >= context: 400. An explicit max_tokens that does not fit: 400 (as OpenAI).
-    No max_tokens: min(default, room left).
+    Prompt >= context (or > max_prompt_tokens): 400 context_length_exceeded.
+    An explicit max_tokens over max_tokens_limit: 400; one that does not fit the context: 400 (as OpenAI).
+    No max_tokens: min(default, limit, room left).
     """
     n = len(prompt_token_ids)
     what = "messages" if p.kind == "chat" else "prompt"
@@ -419,8 +422,16 @@ def make_generation_request(
             f"This model's maximum context length is {max_model_len} tokens. However, your {what} resulted in "
             f"{n} tokens. Please reduce the length of the {what}.",
             param=what, code="context_length_exceeded")
+    if max_prompt_tokens is not None and n > max_prompt_tokens:
+        raise WireError(
+            400, f"This server accepts prompts of at most {max_prompt_tokens} tokens. However, your {what} "
+                 f"resulted in {n} tokens. Please reduce the length of the {what}.",
+            param=what, code="context_length_exceeded")
     room = max_model_len - n
     if p.max_tokens is not None:
+        if max_tokens_limit is not None and p.max_tokens > max_tokens_limit:
+            raise _bad(f"'max_tokens' must be at most {max_tokens_limit} on this server, got {p.max_tokens}.",
+                       "max_tokens", "invalid_value")
         if p.max_tokens > room:
             raise WireError(
                 400,
@@ -430,7 +441,10 @@ def make_generation_request(
                 param="max_tokens", code="context_length_exceeded")
         max_tokens = p.max_tokens
     else:
-        max_tokens = max(1, min(default_max_tokens, room))
+        max_tokens = min(default_max_tokens, room)
+        if max_tokens_limit is not None:
+            max_tokens = min(max_tokens, max_tokens_limit)
+        max_tokens = max(1, max_tokens)
     s = p.sampling
     sampling = SamplingParams(
         temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed, max_tokens=max_tokens,

@@ -7,9 +7,13 @@ engine work; errors after a stream started become a final `{"error": ...}` event
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import itertools
 import logging
+import math
+import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from edged.log import fields
@@ -18,12 +22,29 @@ from edged.server.openai_wire import ParsedRequest, WireError
 
 if TYPE_CHECKING:
     from edged.engine.request import GenerationRequest
-    from edged.server.h3_server import RequestStream, ServerSettings
+    from edged.server.h3_server import ApiKeyPolicy, RequestStream, ServerSettings
 
 log = logging.getLogger("edged.server")
 
 Handler = Callable[["RequestStream"], Awaitable[None]]
 PUBLIC_PATHS = frozenset({"/healthz"})  # no API key needed
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """One finished completion request, or any rejected request: the access log line and what
+    `Router.observers` (metrics) receive."""
+
+    request_id: str
+    path: str
+    status: int | None  # None: no response was sent (the client went away first)
+    outcome: str  # "stop" | "length" | "error" | "cancelled" | "timeout" | "shutdown" | "client_gone" | "rejected"
+    tier: str | None = None
+    code: str | None = None  # the error code of a rejection
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    ttft_s: float | None = None  # from the request's headers to the first delta
+    duration_s: float = 0.0
 
 
 class Router:
@@ -35,9 +56,11 @@ class Router:
         self.created = wire.now()
         self.draining = False
         self.health_check: Callable[[], bool] | None = None  # set by the daemon: False -> 503
+        self.observers: list[Callable[[RequestRecord], None]] = []  # e.g. metrics; called on the loop
         self.routes: dict[str, dict[str, Handler]] = {}
         self.public_paths: set[str] = set(PUBLIC_PATHS)
         self._inflight: set[str] = set()  # engine request ids: unique even when clients reuse x-request-id
+        self._buckets: dict[str, tuple[float, float]] = {}  # API key name -> (tokens, last refill time)
         self._suffix = itertools.count(1)
         self.add("POST", "/v1/chat/completions", self.chat_completions)
         self.add("POST", "/v1/completions", self.completions)
@@ -71,10 +94,11 @@ class Router:
                 self._authenticate(req)
             await handler(req)
         except WireError as e:
-            log.info("request rejected %s", fields(rid=req.request_id, method=req.method, path=req.path,
-                                                       status=e.status, code=e.code, param=e.param))
             if not req.respond_error(e) and not req.closed:
                 req.abort()
+            if req.outcome is None:  # refused before any generation (validation, auth, admission)
+                req.outcome = "rejected"
+                self.rejected(req, e)
         except asyncio.CancelledError:
             raise
         except Exception as e:
@@ -83,15 +107,72 @@ class Router:
                 req.respond_error(WireError(500, "Internal server error.", type="server_error", code="internal_error"))
             else:
                 req.abort()
+            req.outcome = req.outcome or "error"
+        finally:
+            if req.tier is not None and req.outcome != "rejected":  # a completion that reached the engine
+                self._record(RequestRecord(
+                    req.request_id, req.path, req.status, self._outcome(req), req.tier, None,
+                    req.prompt_tokens, req.completion_tokens, req.ttft, self._elapsed(req)))
+
+    def rejected(self, req: RequestStream, err: WireError) -> None:
+        """A request refused before generation (also called by the protocol for 408/413)."""
+        self._record(RequestRecord(req.request_id, req.path or "-", err.status, "rejected", req.tier, err.code,
+                                   duration_s=self._elapsed(req)), param=err.param)
+
+    @staticmethod
+    def _outcome(req: RequestStream) -> str:
+        if req.outcome is not None:
+            return req.outcome
+        if req.cancel_reason is not None:
+            return "shutdown" if req.cancel_reason == "shutdown" else "client_gone"
+        return "client_gone"  # a write failed: the stream was reset or the client stalled
+
+    @staticmethod
+    def _elapsed(req: RequestStream) -> float:
+        return req.protocol._loop.time() - req.started
+
+    def _record(self, rec: RequestRecord, **extra: Any) -> None:
+        level = logging.INFO if self.settings.access_log else logging.DEBUG
+        if rec.outcome == "rejected":
+            log.log(level, "request rejected %s", fields(rid=rec.request_id, path=rec.path, status=rec.status,
+                                                          code=rec.code, **extra))
+        else:
+            log.log(level, "request done %s", fields(
+                rid=rec.request_id, path=rec.path, tier=rec.tier, status=rec.status if rec.status else "-",
+                outcome=rec.outcome, prompt_tokens=rec.prompt_tokens, completion_tokens=rec.completion_tokens,
+                ttft_ms=round(rec.ttft_s * 1000, 1) if rec.ttft_s is not None else "-",
+                duration_ms=round(rec.duration_s * 1000, 1)))
+        for observer in self.observers:
+            try:
+                observer(rec)
+            except Exception:
+                log.exception("request observer failed %s", fields(rid=rec.request_id))
 
     def _authenticate(self, req: RequestStream) -> None:
-        auth = req.header("authorization") or ""
-        scheme, _, key = auth.partition(" ")
-        keys = self.settings.api_keys or {}
-        if scheme.lower() != "bearer" or key.strip() not in keys:
+        """Bearer key -> policy (keys are stored as sha256 hex digests); then its rate limit."""
+        scheme, _, key = (req.header("authorization") or "").partition(" ")
+        digest = hashlib.sha256(key.strip().encode("utf-8", "replace")).hexdigest()
+        policy = (self.settings.api_keys or {}).get(digest) if scheme.lower() == "bearer" else None
+        if policy is None:
             raise WireError(401, "Missing or invalid API key (send 'Authorization: Bearer KEY').",
                             code="invalid_api_key", headers=[("www-authenticate", "Bearer")])
-        req.auth_tier = keys[key.strip()]
+        req.api_key = policy
+        if policy.rate_limit_rps:
+            self._take_token(policy)
+
+    def _take_token(self, policy: ApiKeyPolicy) -> None:
+        """Token bucket per key: `burst` requests at once, refilled at `rate_limit_rps`."""
+        rps = float(policy.rate_limit_rps or 0)
+        burst = float(policy.burst or max(1, math.ceil(rps)))
+        now = time.monotonic()
+        tokens, last = self._buckets.get(policy.name, (burst, now))
+        tokens = min(burst, tokens + (now - last) * rps)
+        if tokens < 1.0:
+            self._buckets[policy.name] = (tokens, now)
+            wait = max(1, math.ceil((1.0 - tokens) / rps))
+            raise WireError(429, f"Rate limit of {rps:g} requests/s exceeded for key '{policy.name}'.",
+                            type="rate_limit_error", code="rate_limit_exceeded", headers=[("retry-after", str(wait))])
+        self._buckets[policy.name] = (tokens - 1.0, now)
 
     # ---- small endpoints
 
@@ -137,15 +218,18 @@ class Router:
         await self._complete(req, p, tier, prompt_ids)
 
     def _tier(self, req: RequestStream, p: ParsedRequest) -> str:
-        """An API key's tier wins; else the x-edged-tier header, else the body's "tier", else "default"."""
-        if req.auth_tier is not None:
-            return req.auth_tier
+        """An API key's tier wins; else the x-edged-tier header, else the body's "tier", else default_tier."""
+        st = self.settings
+        if req.api_key is not None:
+            return req.api_key.tier or st.default_tier
         h = req.header("x-edged-tier")
-        tier = wire.check_tier(h, "x-edged-tier") if h else (p.tier or "default")
-        known = self.settings.tiers
-        if known is not None and tier != "default" and tier not in known:
-            raise WireError(400, f"Unknown tier '{tier}'; known: {', '.join(known)}.", param="tier",
-                            code="invalid_value")
+        if h:
+            tier = wire.check_tier(h.strip(), "x-edged-tier")
+        else:
+            tier = p.tier or st.default_tier
+        if st.tiers is not None and tier != st.default_tier and tier not in st.tiers:
+            raise WireError(400, f"Unknown tier '{tier}'; known: {', '.join(st.tiers)}.",
+                            param="x-edged-tier" if h else "tier", code="invalid_value")
         return tier
 
     def _engine_id(self, rid: str) -> str:
@@ -155,52 +239,70 @@ class Router:
         return eid
 
     async def _complete(self, req: RequestStream, p: ParsedRequest, tier: str, prompt_ids: list[int]) -> None:
+        st = self.settings
+        limit = st.max_tokens_limit
+        cap = st.tier_max_tokens.get(tier)
+        if cap is not None:
+            limit = cap if limit is None else min(limit, cap)
         eid = self._engine_id(req.request_id)
         gen = wire.make_generation_request(p, prompt_ids, eid, tier, self.engine.max_model_len,
-                                           self.settings.default_max_tokens)
+                                           st.default_max_tokens, limit, st.max_prompt_tokens)
+        req.tier, req.prompt_tokens = tier, len(prompt_ids)
         self._inflight.add(eid)
         try:
-            if p.stream:
-                await self._stream(req, p, gen)
-            else:
-                await self._collect(req, p, gen)
+            async with asyncio.timeout(st.request_timeout_s) as deadline:
+                if p.stream:
+                    await self._stream(req, p, gen)
+                else:
+                    await self._collect(req, p, gen)
+        except TimeoutError:
+            if not deadline.expired():
+                raise
+            # The handlers' cleanup already cancelled the sequence; end the response with an error.
+            msg = f"Generation exceeded the server's request timeout of {st.request_timeout_s:g} s."
+            req.outcome = "timeout"
+            if not req.headers_sent:
+                raise WireError(504, msg, type="server_error", code="request_timeout") from None
+            packed = wire.wants_msgpack(req.header("accept"))
+            enc = wire.msgpack_frame if packed else wire.sse_event
+            req.finish(enc(wire.error_body(msg, type="server_error", code="request_timeout")) +
+                       (wire.MSGPACK_DONE if packed else wire.SSE_DONE))
         finally:
             self._inflight.discard(eid)
 
     async def _collect(self, req: RequestStream, p: ParsedRequest, gen: GenerationRequest) -> None:
         """Non-streaming: gather every delta, answer one body."""
-        loop = asyncio.get_running_loop()
         agen = self.engine.generate(gen)
         texts: list[str] = []
         last = None
-        finished = False
-        ttft = None
         try:
             async for d in agen:
-                if ttft is None:
-                    ttft = loop.time() - req.started
+                self._progress(req, d)
                 if d.text:
                     texts.append(d.text)
                 last = d
                 if d.finish_reason is not None:
-                    finished = True
                     break
         except asyncio.CancelledError:
             if req.cancel_reason == "shutdown":
+                req.outcome = "shutdown"
                 req.respond_error(WireError(503, "The server is shutting down.", type="server_error",
                                             code="shutting_down"))
-                self._log_done(req, gen, "shutdown", last, ttft)
                 return
             raise
         except Exception as e:
-            raise self._engine_error(req, e) from None
+            err = self._engine_error(req, e)
+            if last is not None or err.code == "internal_error":  # else refused by admission: a rejection
+                req.outcome = "error"
+            raise err from None
         finally:
-            await self._release(agen, gen, finished)
+            await self._release(agen, gen, finished=last is not None and last.finish_reason is not None)
         if last is None or last.finish_reason is None:
+            req.outcome = "error"
             raise WireError(500, "The engine ended the request without a result.", type="server_error",
                             code="internal_error")
+        req.outcome = last.finish_reason
         if last.finish_reason in ("error", "cancelled"):
-            self._log_done(req, gen, last.finish_reason, last, ttft)
             status = 500 if last.finish_reason == "error" else 503
             raise WireError(status, last.error or f"The request was {last.finish_reason} by the server.",
                             type="server_error", code=last.finish_reason)
@@ -211,11 +313,15 @@ class Router:
             req.respond(200, wire.msgpack_bytes(body), "application/x-msgpack")
         else:
             req.respond_json(200, body)
-        self._log_done(req, gen, last.finish_reason, last, ttft)
+
+    @staticmethod
+    def _progress(req: RequestStream, d: Any) -> None:
+        if req.ttft is None:
+            req.ttft = req.protocol._loop.time() - req.started
+        req.prompt_tokens, req.completion_tokens = d.prompt_tokens, d.completion_tokens
 
     async def _stream(self, req: RequestStream, p: ParsedRequest, gen: GenerationRequest) -> None:
         """Streaming: headers at once, a chunk per delta, a final chunk, optional usage, [DONE]."""
-        loop = asyncio.get_running_loop()
         packed = wire.wants_msgpack(req.header("accept"))
         enc = wire.msgpack_frame if packed else wire.sse_event
         done = wire.MSGPACK_DONE if packed else wire.SSE_DONE
@@ -226,13 +332,14 @@ class Router:
         def chunk(**kw: Any) -> bytes:
             return enc(wire.stream_chunk(p.kind, rid, created, model, include_usage=p.include_usage, **kw))
 
+        def error_event(message: str, code: str | None, type: str = "server_error") -> bytes:
+            return enc(wire.error_body(message, type=type, code=code))
+
         agen = self.engine.generate(gen)
         # Run the generator's first step before the headers go out: an engine that refuses at once
         # (admission: queue full, deadline unreachable) still gets a proper 429/503.
         first = asyncio.ensure_future(agen.__anext__())
         finished = False
-        last = None
-        ttft = None
         try:
             await asyncio.sleep(0)
             if first.done() and not first.cancelled() and first.exception() is not None:
@@ -247,47 +354,43 @@ class Router:
             try:
                 d = await first
                 while True:
-                    if ttft is None:
-                        ttft = loop.time() - req.started
-                    last = d
+                    self._progress(req, d)
                     if d.finish_reason in ("error", "cancelled"):
                         finished = True
+                        req.outcome = d.finish_reason
                         msg = d.error or f"The request was {d.finish_reason} by the server."
-                        await req.write(enc(wire.error_body(msg, type="server_error", code=d.finish_reason)))
+                        tail = error_event(msg, d.finish_reason)
                         break
                     if d.text and not await req.write(chunk(text=d.text)):
                         return
                     if d.finish_reason is not None:
                         finished = True
+                        req.outcome = d.finish_reason
                         tail = chunk(text="" if p.kind == "completion" else None, finish_reason=d.finish_reason)
                         if p.include_usage:
                             tail += enc(wire.usage_chunk(p.kind, rid, created, model, d.prompt_tokens,
                                                          d.completion_tokens))
-                        if not await req.write(tail):
-                            return
                         break
                     d = await agen.__anext__()
             except StopAsyncIteration:
-                await req.write(enc(wire.error_body("The engine ended the stream without a result.",
-                                                    type="server_error", code="internal_error")))
+                req.outcome = "error"
+                tail = error_event("The engine ended the stream without a result.", "internal_error")
             except asyncio.CancelledError:
                 raise
             except Exception as e:
+                req.outcome = "error"
                 err = self._engine_error(req, e)
-                await req.write(enc(wire.error_body(err.message, type=err.type, code=err.code)))
-            req.finish(done)
-            self._log_done(req, gen, last.finish_reason if last else "error", last, ttft)
+                tail = error_event(err.message, err.code, err.type)
+            req.finish(tail + done)
         except asyncio.CancelledError:
-            if req.cancel_reason == "shutdown" and req.headers_sent and not req.closed:
-                req.finish(enc(wire.error_body("The server is shutting down.", type="server_error",
-                                               code="shutting_down")) + done)
-                self._log_done(req, gen, "shutdown", last, ttft)
-                return
-            if req.cancel_reason == "shutdown" and not req.headers_sent:
+            if req.cancel_reason != "shutdown":
+                raise
+            req.outcome = "shutdown"
+            if req.headers_sent:
+                req.finish(error_event("The server is shutting down.", "shutting_down") + done)
+            else:
                 req.respond_error(WireError(503, "The server is shutting down.", type="server_error",
                                             code="shutting_down"))
-                return
-            raise
         finally:
             if not first.done():
                 first.cancel()
@@ -324,13 +427,3 @@ class Router:
             return WireError(400, str(exc), code="invalid_value")
         log.error("engine error %s", fields(rid=req.request_id, error=repr(exc)), exc_info=exc)
         return WireError(500, "Internal error while generating.", type="server_error", code="internal_error")
-
-    def _log_done(self, req: RequestStream, gen: GenerationRequest, finish: str, last: Any,
-                  ttft: float | None) -> None:
-        loop = asyncio.get_running_loop()
-        log.info("request done %s", fields(
-            rid=req.request_id, path=req.path, tier=gen.tier, status=req.status, finish=finish,
-            prompt_tokens=getattr(last, "prompt_tokens", len(gen.prompt_token_ids)),
-            completion_tokens=getattr(last, "completion_tokens", 0),
-            ttft_ms=round(ttft * 1000, 1) if ttft is not None else "-",
-            duration_ms=round((loop.time() - req.started) * 1000, 1)))

@@ -1,0 +1,218 @@
+"""SLA admission: refuse early rather than miss late.
+
+Runs on the event loop before a request goes to the engine. For a request of tier T:
+
+* T's queue (requests admitted and not yet started) is at its `max_queue`: 429 with Retry-After;
+* its predicted time to first token exceeds T's target: 503 with Retry-After.
+
+The prediction counts the requests that will start before it - all of T's queue (earliest deadline
+first), and of every other tier the share weighted-fair queueing gives it meanwhile - then the wait
+for batch slots (a slot frees every `mean slot time / slots` seconds once the free ones are taken)
+and the prefill time of what is ahead plus its own prompt, from the engine's recent step times
+(step_stats.py). A request that a lower tier's running sequences could make room for (preemption)
+waits at most until it turns urgent. Higher tiers therefore see short queues and cheap slots, lower
+tiers long ones: under overload the lower tiers are refused first, and a gold request is refused
+only when even preempting everything below it would not make its target.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable
+
+from edged.engine.request import GenerationRequest
+from edged.log import fields
+from edged.server.openai_wire import WireError
+
+from .step_stats import StepStats
+from .tiers import TierBoard
+
+log = logging.getLogger("edged.scheduler")
+
+
+def weighted_fair_shares(demand: dict[str, float], weights: dict[str, float], capacity: float) -> dict[str, float]:
+    """Weighted max-min fair split of capacity (water filling): a tier asking for less than its
+    weighted share gets what it asks; the rest is split among the others by weight. Demand may be inf."""
+    alloc = dict.fromkeys(demand, 0.0)
+    active = {k for k, v in demand.items() if v > 0}
+    left = capacity
+    while active and left > 1e-12:
+        wsum = sum(weights[k] for k in active)
+        share = {k: left * weights[k] / wsum for k in active}
+        sated = {k for k in active if demand[k] - alloc[k] <= share[k]}
+        if not sated:
+            for k in active:
+                alloc[k] += share[k]
+            break
+        for k in sated:
+            left -= demand[k] - alloc[k]
+            alloc[k] = demand[k]
+        active -= sated
+    return alloc
+
+
+class AdmissionError(WireError):
+    """A refused request: status 429 (tier queue full) or 503 (deadline unreachable), with the seconds
+    a client should wait (`retry_after_s`; also `retry_after`/`http_status`, which routes map).
+    A WireError, so the routes answer it as an OpenAI-style error with a Retry-After header."""
+
+    def __init__(self, status: int, message: str, retry_after_s: float, *, tier: str | None = None,
+                 reason: str | None = None, predicted_ttft_s: float | None = None) -> None:
+        seconds = max(1, math.ceil(retry_after_s))
+        super().__init__(status, message,
+                         code="tier_queue_full" if status == 429 else "deadline_unreachable",
+                         type="rate_limit_error" if status == 429 else "server_error",
+                         headers=[("retry-after", str(seconds))])
+        self.retry_after_s = float(retry_after_s)
+        self.retry_after = seconds
+        self.http_status = status
+        self.tier = tier
+        self.reason = reason
+        self.predicted_ttft_s = predicted_ttft_s
+
+
+class AdmissionController:
+    """Thread-safe; `admit` is cheap (a few dozen arithmetic operations under the board's lock).
+
+    headroom: admit while predicted TTFT <= headroom * target (below 1 refuses earlier).
+    preemption: whether the engine preempts lower tiers for an urgent request (Batcher.preemption).
+    urgency_fraction: the batcher's; a request relying on preemption starts by then at the latest.
+    pending_ttl_s: an admitted request that never reached the engine stops counting after this long.
+    """
+
+    def __init__(self, board: TierBoard, step_stats: StepStats, limits, *, clock: Callable[[], float] = time.monotonic,
+                 headroom: float = 1.0, preemption: bool = True, urgency_fraction: float = 0.5,
+                 pending_ttl_s: float = 10.0, max_retry_after_s: float = 60.0, enabled: bool = True) -> None:
+        self.board = board
+        self.stats = step_stats
+        self.limits = limits
+        self.clock = clock
+        self.headroom = headroom
+        self.preemption = preemption
+        self.urgency_fraction = urgency_fraction
+        self.pending_ttl_s = pending_ttl_s
+        self.max_retry_after_s = max_retry_after_s
+        self.enabled = enabled
+        self._last_expiry = -math.inf
+        self._lock = threading.Lock()
+
+    @classmethod
+    def for_batcher(cls, batcher, **kwargs) -> "AdmissionController":
+        kwargs.setdefault("preemption", batcher.preemption != "off")
+        kwargs.setdefault("urgency_fraction", batcher.urgency_fraction)
+        return cls(batcher.board, batcher.step_stats, batcher.limits, clock=batcher.clock, **kwargs)
+
+    # --- the door ---
+    def admit(self, request: GenerationRequest) -> float:
+        """Admit request (it then counts in its tier's queue until the engine starts it) and return its
+        predicted TTFT in seconds; raise AdmissionError if it must be refused."""
+        now = self.clock()
+        board = self.board
+        tokens = len(request.prompt_token_ids)
+        with board.lock:
+            if now - self._last_expiry >= 1.0:
+                self._last_expiry = now
+                board.expire_pending(now, self.pending_ttl_s)
+            tier = board.resolve(request.tier)
+            st = board.tiers[tier]
+            cfg = st.config
+            predicted = self._predict(tier, tokens, now) + max(0.0, now - request.arrival_time)
+            if self.enabled:
+                if st.depth >= cfg.max_queue:
+                    board.note_rejected(tier, "queue_full")
+                    retry = self._retry(predicted)
+                    self._log_reject(request, tier, "queue_full", predicted, retry, st.depth)
+                    raise AdmissionError(
+                        429, f"The '{tier}' tier queue is full ({cfg.max_queue} requests waiting); "
+                             f"retry in {max(1, math.ceil(retry))} s.",
+                        retry, tier=tier, reason="queue_full", predicted_ttft_s=predicted)
+                target = st.target_s
+                if predicted > target * self.headroom:
+                    board.note_rejected(tier, "deadline")
+                    retry = self._retry(predicted - target)
+                    self._log_reject(request, tier, "deadline", predicted, retry, st.depth)
+                    raise AdmissionError(
+                        503, f"The server is overloaded: the '{tier}' tier's time-to-first-token target of "
+                             f"{cfg.ttft_target_ms:g} ms cannot be met now (predicted "
+                             f"{predicted * 1000:.0f} ms); retry in {max(1, math.ceil(retry))} s.",
+                        retry, tier=tier, reason="deadline", predicted_ttft_s=predicted)
+            board.note_admitted(tier, request.request_id, tokens, now)
+            depth = st.depth
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("admitted %s", fields(request_id=request.request_id, tier=tier, tokens=tokens,
+                                            predicted_ttft_ms=round(predicted * 1000, 1), depth=depth))
+        return predicted
+
+    def release(self, request_id: str) -> None:
+        """The request will not reach the engine after all (idempotent; the engine's own bookkeeping
+        releases every request that does reach it)."""
+        self.board.release_pending(request_id)
+
+    def predict_ttft(self, tier: str, prompt_tokens: int) -> float:
+        """Seconds from now until a request of `tier` with this prompt would get its first token."""
+        with self.board.lock:
+            return self._predict(self.board.resolve(tier), prompt_tokens, self.clock())
+
+    def snapshot(self) -> dict[str, dict]:
+        return self.board.snapshot()
+
+    # --- the model ---
+    def _predict(self, tier: str, tokens: int, now: float) -> float:
+        board, stats = self.board, self.stats
+        me = board.tiers[tier]
+        slots = max(1, board.engine_slots or self.limits.max_num_seqs)
+        budget = max(1, board.engine_budget or self.limits.max_batch_tokens)
+        running = sum(st.running for st in board.tiers.values())
+        # Who starts first: my tier's whole queue (EDF), and of each other tier what weighted fair
+        # sharing lets it start while mine works through its queue.
+        mine = me.depth
+        ahead = float(mine)
+        ahead_tokens = float(me.waiting_tokens + sum(t for _, t in me.pending.values()))
+        higher = mine  # what can start before me even if I turn urgent
+        preemptable = 0
+        demand: dict[str, float] = {}
+        weights: dict[str, float] = {}
+        for name, st in board.tiers.items():
+            weights[name] = st.config.weight
+            # A backlogged tier takes all its share; an idle one what it has been asking for lately.
+            demand[name] = math.inf if (st is me or st.depth) else st.admit_rate.get(now)
+            if st is me:
+                continue
+            depth = st.depth
+            if st.rank < me.rank:
+                higher += depth
+            elif st.running:
+                preemptable += st.running
+            if depth:
+                n = min(float(depth), (mine + 1) * st.config.weight / me.config.weight)
+                ahead += n
+                ahead_tokens += n * (st.waiting_tokens + sum(t for _, t in st.pending.values())) / depth
+        free = max(0, slots - running)
+        slot_s = stats.mean_service_s(max(running, min(slots, running + int(ahead) + 1)))
+        capacity = slots / slot_s  # starts per second with the batch full
+        # How fast my tier's queue drains: its weighted fair share of the slots, or what was measured
+        # while it was backlogged if that is less (preemption, recompute, a slower phase).
+        rate = weighted_fair_shares(demand, weights, capacity)[tier]
+        if me.backlog_rate is not None:
+            rate = min(rate, me.backlog_rate)
+        wait_slots = max(max(0.0, ahead + 1 - free) / capacity,
+                         max(0.0, mine + 1 - free) / rate if rate > 0 else math.inf)
+        own = stats.prefill_s(tokens, budget, running + 1)
+        everything = stats.prefill_s(int(ahead_tokens) + tokens, budget, running + 1)
+        predicted = max(wait_slots + own, everything)
+        if self.preemption and preemptable and higher + 1 <= free + preemptable:
+            # It will preempt a lower tier once urgent, at the latest urgency_fraction before its deadline.
+            predicted = min(predicted, me.target_s * (1 - self.urgency_fraction) + own)
+        return predicted
+
+    def _retry(self, seconds: float) -> float:
+        return min(self.max_retry_after_s, max(1.0, seconds))
+
+    @staticmethod
+    def _log_reject(request: GenerationRequest, tier: str, reason: str, predicted: float, retry: float,
+                    depth: int) -> None:
+        log.info("admission refused %s", fields(
+            request_id=request.request_id, tier=tier, reason=reason, status=429 if reason == "queue_full" else 503,
+            predicted_ttft_ms=round(predicted * 1000, 1), retry_after_s=max(1, math.ceil(retry)), depth=depth))

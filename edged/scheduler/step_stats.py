@@ -1,0 +1,160 @@
+"""What recent engine steps cost: the model admission control predicts time-to-first-token with.
+
+The engine reports every step (wall time, prompt tokens computed, sequences in the batch); a
+recursive least-squares fit with forgetting keeps `step_s = a + b * prefill_tokens + c * batch_size`
+current, so a slower or faster phase (thermal throttling, a busy PCIe link) shows up within a few
+dozen steps. Finished sequences report how many tokens they generated, which gives the mean time a
+sequence holds a batch slot. Written on the engine thread, read on the event loop: thread-safe.
+"""
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass
+
+# Feature scales: the fit runs on (1, prefill_tokens / P_SCALE, batch_size / N_SCALE) so that the
+# ridge prior weighs each coefficient alike.
+P_SCALE = 512.0
+N_SCALE = 32.0
+
+
+@dataclass(frozen=True, slots=True)
+class StepModel:
+    """step_s = a + b * prefill_tokens + c * batch_size (seconds)."""
+
+    a: float = 0.02  # fixed cost of a step (launches, sampling, host work)
+    b: float = 0.0002  # per prompt token computed
+    c: float = 0.001  # per sequence in the batch (decode attention, KV reads)
+
+    def __call__(self, prefill_tokens: float, batch_size: float) -> float:
+        return max(0.0, self.a + self.b * prefill_tokens + self.c * batch_size)
+
+
+def _solve3(m: list[list[float]], v: list[float]) -> list[float] | None:
+    """Gaussian elimination with partial pivoting for a 3x3 system; None if singular."""
+    a = [row[:] + [v[i]] for i, row in enumerate(m)]
+    for col in range(3):
+        piv = max(range(col, 3), key=lambda r: abs(a[r][col]))
+        if abs(a[piv][col]) < 1e-12:
+            return None
+        a[col], a[piv] = a[piv], a[col]
+        for r in range(3):
+            if r != col:
+                f = a[r][col] / a[col][col]
+                for k in range(col, 4):
+                    a[r][k] -= f * a[col][k]
+    return [a[i][3] / a[i][i] for i in range(3)]
+
+
+class StepStats:
+    """Recent step-time model plus per-sequence service figures; every method is thread-safe.
+
+    forget: weight kept by the past at each new step (0.98: the last ~50 steps dominate).
+    prior_weight: how many pseudo-steps the prior `StepModel` is worth (it fades once steps come in).
+    """
+
+    def __init__(self, prior: StepModel | None = None, forget: float = 0.98, prior_weight: float = 2.0,
+                 mean_output_tokens: float = 128.0, ewma: float = 0.05) -> None:
+        if not 0 < forget <= 1:
+            raise ValueError("forget must be in (0, 1]")
+        self.prior = prior or StepModel()
+        self.forget = forget
+        self.prior_weight = prior_weight
+        self.ewma = ewma
+        self._lock = threading.Lock()
+        self._xx = [[0.0] * 3 for _ in range(3)]
+        self._xy = [0.0] * 3
+        self._model = self.prior
+        self._dirty = False
+        self.steps = 0
+        self.last_step_s = 0.0
+        self._mean_output = mean_output_tokens
+        self._finished = 0
+        self._slot_s = 0.0
+        self._slot_n = 0
+
+    # --- written by the engine thread ---
+    def record_step(self, duration_s: float, prefill_tokens: int, batch_size: int) -> None:
+        if not math.isfinite(duration_s) or duration_s < 0 or batch_size <= 0:
+            return
+        x = (1.0, prefill_tokens / P_SCALE, batch_size / N_SCALE)
+        with self._lock:
+            lam = self.forget
+            for i in range(3):
+                self._xy[i] = lam * self._xy[i] + x[i] * duration_s
+                for j in range(3):
+                    self._xx[i][j] = lam * self._xx[i][j] + x[i] * x[j]
+            self.steps += 1
+            self.last_step_s = duration_s
+            self._dirty = True
+
+    def record_finished(self, generated_tokens: int, slot_s: float | None = None) -> None:
+        """A sequence finished (not cancelled) after generating this many tokens, having held a batch
+        slot for slot_s seconds since it first started."""
+        if generated_tokens <= 0:
+            return
+        with self._lock:
+            self._finished += 1
+            w = max(self.ewma, 1.0 / self._finished)  # plain mean until the EWMA has enough samples
+            self._mean_output += w * (generated_tokens - self._mean_output)
+            if slot_s is not None and math.isfinite(slot_s) and slot_s >= 0:
+                self._slot_n += 1
+                w = max(self.ewma, 1.0 / self._slot_n)
+                self._slot_s += w * (slot_s - self._slot_s)
+
+    # --- read anywhere ---
+    @property
+    def model(self) -> StepModel:
+        with self._lock:
+            if self._dirty:
+                self._model = self._fit()
+                self._dirty = False
+            return self._model
+
+    def _fit(self) -> StepModel:
+        p = self.prior
+        theta0 = (p.a, p.b * P_SCALE, p.c * N_SCALE)
+        k = self.prior_weight
+        m = [[self._xx[i][j] + (k if i == j else 0.0) for j in range(3)] for i in range(3)]
+        v = [self._xy[i] + k * theta0[i] for i in range(3)]
+        sol = _solve3(m, v)
+        if sol is None:
+            return self._model
+        a, b, c = (max(0.0, s) for s in sol)
+        return StepModel(a, b / P_SCALE, c / N_SCALE)
+
+    def predict_step(self, prefill_tokens: float, batch_size: float) -> float:
+        return self.model(prefill_tokens, batch_size)
+
+    @property
+    def prefill_s_per_token(self) -> float:
+        return self.model.b
+
+    @property
+    def mean_output_tokens(self) -> float:
+        with self._lock:
+            return self._mean_output
+
+    def mean_service_s(self, batch_size: int) -> float:
+        """Mean time a sequence holds a batch slot with `batch_size` sequences in the batch: the measured
+        time, or the step model's decode time for the mean output if that is longer (a batch that fills
+        up runs slower steps than the ones measured so far)."""
+        modeled = self.mean_output_tokens * self.predict_step(0, max(1, batch_size))
+        with self._lock:
+            measured = self._slot_s if self._slot_n else 0.0
+        return max(measured, modeled)
+
+    def prefill_s(self, tokens: int, step_token_budget: int, batch_size: int) -> float:
+        """Time to compute `tokens` prompt tokens in chunks of the step budget beside `batch_size` decodes."""
+        if tokens <= 0:
+            return 0.0
+        m = self.model
+        steps = -(-tokens // max(1, step_token_budget))
+        return m.b * tokens + steps * (m.a + m.c * max(1, batch_size))
+
+    def snapshot(self) -> dict:
+        m = self.model
+        with self._lock:
+            return {"steps": self.steps, "last_step_s": self.last_step_s, "fixed_s": m.a,
+                    "prefill_s_per_token": m.b, "per_seq_s": m.c, "mean_output_tokens": self._mean_output,
+                    "mean_slot_s": self._slot_s}
