@@ -15,6 +15,7 @@ from edged.engine.async_engine import AsyncEngine
 from edged.engine.request import GenerationRequest, SamplingParams
 from edged.engine.setup import EngineSettings, build_engine
 from edged.log import fields, setup_logging
+from edged.metrics import EdgedMetrics
 from edged.systemd import Notifier, Watchdog
 
 log = logging.getLogger("edged.daemon")
@@ -24,15 +25,32 @@ CONFIG_POLL_S = 2.0  # how often the config file's mtime is checked for edits
 
 
 def server_settings(config: Config):
-    from edged.server.h3_server import ServerSettings
+    from edged.server.h3_server import ApiKeyPolicy, ServerSettings
 
+    keys = None
+    if config.auth.enabled:
+        keys = {k.sha256: ApiKeyPolicy(k.name, k.tier, k.rate_limit_rps, k.burst) for k in config.auth.keys}
     return ServerSettings(
         max_body_bytes=config.server.max_body_bytes,
         default_max_tokens=config.limits.max_tokens_default,
         max_tokens_limit=config.limits.max_tokens_limit,
+        max_prompt_tokens=config.limits.max_prompt_tokens,
         tiers=tuple(config.tiers),
         default_tier=config.scheduler.default_tier,
+        tier_max_tokens={n: t.max_tokens for n, t in config.tiers.items() if t.max_tokens},
+        api_keys=keys,
+        request_timeout_s=config.server.request_timeout_s,
+        max_concurrent_streams=config.server.max_concurrent_streams,
+        access_log=config.logging.access_log,
     )
+
+
+def gpu_memory() -> dict[str, int]:
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+    return {"allocated": torch.cuda.memory_allocated(), "reserved": torch.cuda.memory_reserved()}
 
 
 class Daemon:
@@ -43,6 +61,8 @@ class Daemon:
         self.notifier = Notifier()
         self.engine: AsyncEngine | None = None
         self.server = None
+        self.result_cache = None
+        self.metrics = EdgedMetrics()
         self._stop = asyncio.Event()
         self._config_mtime = self._mtime()
 
@@ -82,8 +102,9 @@ class Daemon:
         await self.warm_up(engine)
         Path(cfg.server.state_dir).mkdir(parents=True, exist_ok=True)
         certfile, keyfile = ensure_cert(cfg.server.state_dir, cfg.server.certfile, cfg.server.keyfile)
+        await self._open_result_cache(engine.model_id)
         self.server = await serve(engine, cfg.server.host, cfg.server.port, certfile, keyfile, server_settings(cfg))
-        self.server.router.health_check = self.engine_alive
+        self._mount(self.server.router)
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, self._stop.set)
         loop.add_signal_handler(signal.SIGINT, self._stop.set)
@@ -101,8 +122,61 @@ class Daemon:
         for t in tasks:
             t.cancel()
         engine.engine.stop()
+        if self.result_cache is not None:
+            await asyncio.to_thread(self.result_cache.close)  # flushes queued writes
         log.info("stopped")
         return 0
+
+    async def _open_result_cache(self, model_id: str) -> None:
+        from edged.cache.result_cache import ResultCache, db_path
+        from edged.cache.result_front import ResultCacheFront
+
+        c = self.config.cache
+        self.result_cache = await asyncio.to_thread(ResultCache.open, db_path(self.config.server.state_dir),
+                                                    c.max_bytes, c.ttl_s, c.enabled)
+        self.cache_front = ResultCacheFront(self.result_cache, model_id)
+
+    def _mount(self, router) -> None:
+        """Health, metrics and the result cache on the server's router."""
+        router.health_check = self.engine_alive
+        router.result_cache = self.cache_front
+        router.observers.append(self._observe)
+        router.add("GET", "/metrics", self._metrics_route, public=True)
+        router.add("GET", "/readyz", self._readyz_route, public=True)
+        src = self.metrics.sources
+        src.engine = lambda: self.engine.engine if self.engine else None
+        src.result_cache = lambda: self.result_cache
+        src.gpu_memory = gpu_memory
+        src.config = lambda: self.config
+
+    def _observe(self, rec) -> None:
+        m, tier = self.metrics, rec.tier or "none"
+        m.requests.labels(tier, rec.outcome).inc()
+        if rec.ttft_s is not None:
+            m.ttft.labels(tier).observe(rec.ttft_s)
+            if rec.completion_tokens > 1:
+                m.itl.labels(tier).observe((rec.duration_s - rec.ttft_s) / (rec.completion_tokens - 1))
+        if rec.status is not None and rec.status < 400:
+            m.e2e.labels(tier).observe(rec.duration_s)
+
+    async def _metrics_route(self, req) -> None:
+        from edged.server.openai_wire import WireError
+
+        auth = self.config.auth
+        loopback = req.peer_host in ("127.0.0.1", "::1") or (req.peer_host or "").startswith("127.")
+        key_ok = False
+        if auth.metrics_requires_key or (auth.metrics_loopback_only and not loopback):
+            presented = (req.header("authorization") or "").partition(" ")[2].strip()
+            from edged.config import hash_api_key
+            key_ok = bool(presented) and any(k.sha256 == hash_api_key(presented) for k in auth.keys)
+            if not key_ok:
+                raise WireError(403 if not auth.metrics_requires_key else 401,
+                                "/metrics is served to loopback clients or with an API key.", code="forbidden")
+        req.respond(200, self.metrics.render(), "text/plain; version=0.0.4; charset=utf-8")
+
+    async def _readyz_route(self, req) -> None:
+        ready = self.engine_alive() and not self.server.router.draining
+        req.respond_json(200 if ready else 503, {"status": "ready" if ready else "not ready"})
 
     async def _watch_config(self) -> None:
         while True:
@@ -119,10 +193,15 @@ class Daemon:
         try:
             new, diff = reload_config(self.config, self.config_path, self.overrides)
         except ConfigError:
+            self.metrics.reloads.labels("rejected").inc()
             self.notifier.ready("config reload rejected; running on the previous config")
             return
         self.config = new
+        self.metrics.reloads.labels("applied").inc()
         setup_logging(new.logging.level)
+        if self.result_cache is not None:
+            c = new.cache
+            await asyncio.to_thread(self.result_cache.reconfigure, c.max_bytes, c.ttl_s, c.enabled)
         if self.server is not None:
             self.server.settings = server_settings(new)
         if self.engine is not None:

@@ -201,8 +201,10 @@ def decode_splits(batch_heads: int, max_context: int, block_t: int, device: torc
 
 def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      context_lens: torch.Tensor, scale: float, k_scale: torch.Tensor | None = None,
-                     v_scale: torch.Tensor | None = None, num_splits: int | None = None) -> torch.Tensor:
-    """q [B,Hq,D] (the token at position context_len - 1) over its cached context; out [B,Hq,D]."""
+                     v_scale: torch.Tensor | None = None, num_splits: int | None = None,
+                     block_t: int | None = None, num_warps: int = 4) -> torch.Tensor:
+    """q [B,Hq,D] (the token at position context_len - 1) over its cached context; out [B,Hq,D].
+    num_splits, block_t (tokens a step) and num_warps override the heuristics (tests, sweeps)."""
     batch, n_heads, head_dim = q.shape
     n_kv = k_cache.shape[2]
     group = n_heads // n_kv
@@ -212,7 +214,7 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if batch == 0:
         return out
     on_gpu = q.is_cuda
-    block_t = 64 if on_gpu else 16
+    block_t = block_t or (64 if on_gpu else 16)
     block_d = triton.next_power_of_2(head_dim)
     if num_splits is None:
         num_splits = decode_splits(batch * n_kv, block_tables.shape[1] * k_cache.shape[1], block_t, q.device)
@@ -230,7 +232,7 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], *ss,
         block_tables.stride(0), out.stride(0), out.stride(1),
         INT8=k_scale is not None, SPLIT=split, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
-        BLOCK_T=block_t, num_warps=4, num_stages=2 if on_gpu else 1)
+        BLOCK_T=block_t, num_warps=num_warps, num_stages=2 if on_gpu else 1)
     if split:
         _decode_reduce_kernel[(batch, n_heads)](
             po, plse, out, n_heads, num_splits, head_dim, out.stride(0), out.stride(1),

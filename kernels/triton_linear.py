@@ -29,31 +29,35 @@ _FORMATS = {"dense": 0, "w8": 1, "w4": 2}
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, part_ptr, N, K, k_per_split, stride_wn,
                  FORMAT: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One row of x against dense or w8 weights; program (n tile, k split)."""
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr):
+    """One row of x against dense or w8 weights; program (n tile, k split).
+    Tiles are [BLOCK_N, BLOCK_K // VEC, VEC]: a thread owns VEC consecutive columns (one 16-byte load)
+    and sums them in registers every step, so the accumulator is small and many programs fit an SM.
+    x is loaded as a broadcast tile in the weights' layout (no shared-memory shuffles)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ld = tl.minimum(n, N - 1)  # clamp instead of masking: the loop's loads stay unpredicated
-    rows = w_ptr + n_ld.to(tl.int64)[:, None] * stride_wn
+    rows = w_ptr + n_ld.to(tl.int64)[:, None, None] * stride_wn
+    col = tl.arange(0, BLOCK_K // VEC)[:, None] * VEC + tl.arange(0, VEC)[None, :]
+    zero = 0 * n[:, None, None]
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    zero = 0 * n[:, None]  # x is loaded as a broadcast [BLOCK_N, BLOCK_K] tile: the weights' layout, no shuffle
+    acc = tl.zeros([BLOCK_N, BLOCK_K // VEC], dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
+        k = (k0 + col)[None, :, :]
         if EVEN_K:
-            xv = tl.load(x_ptr + k[None, :] + zero).to(tl.float32)
-            wv = tl.load(rows + k[None, :])
+            xv = tl.load(x_ptr + k + zero).to(tl.float32)
+            wv = tl.load(rows + k, eviction_policy="evict_first")
         else:
             km = k < k_hi
-            xv = tl.load(x_ptr + k[None, :] + zero, mask=km[None, :], other=0.0).to(tl.float32)
-            wv = tl.load(rows + k[None, :], mask=km[None, :], other=0)
+            xv = tl.load(x_ptr + k + zero, mask=km, other=0.0).to(tl.float32)
+            wv = tl.load(rows + k, mask=km, other=0, eviction_policy="evict_first")
         if FORMAT == 1:
             wf = i8_to_f32(wv)
         else:
             wf = wv.to(tl.float32)
-        acc += wf * xv
+        acc += tl.sum(wf * xv, axis=2)
     y = tl.sum(acc, axis=1)
     if FORMAT == 1:
         y = y * tl.load(scale_ptr + n_ld).to(tl.float32)
@@ -84,49 +88,51 @@ def _x_pairs(v, X_KIND: tl.constexpr):
 
 
 @triton.jit
-def _gemv_w4_kernel(xw_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr, N, num_groups,
-                    g_per_split, stride_wn, stride_sn,
-                    X_KIND: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_G: tl.constexpr,
-                    BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, HALF_GROUP: tl.constexpr):
-    """One row of x against w4 weights. Tiles are [BLOCK_N, GROUPS, HALF_GROUP] bytes so that the
-    scale and minimum of a group broadcast over its bytes without a gather. x comes as words that
-    each hold the pair (x[2j], x[2j+1]) of byte j, loaded in the bytes' layout (no shuffles)."""
+def _gemv_w4_kernel(xw_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr, N, KB, kb_per_split,
+                    stride_wn, stride_sn,
+                    X_KIND: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
+                    GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KB: tl.constexpr):
+    """One row of x against w4 weights (KB bytes a row). Tiles are [BLOCK_N, BLOCK_KB // 16, 16] bytes:
+    a thread owns a 16-byte chunk, which lies inside one group (groups are >= 16 bytes), so each
+    chunk needs one scale and one minimum. x comes as words holding the pair (x[2j], x[2j+1]) of
+    byte j, loaded in the bytes' layout (no shuffles)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ld = tl.minimum(n, N - 1)
     n64 = n_ld.to(tl.int64)
-    j = tl.arange(0, HALF_GROUP)
+    chunk = tl.arange(0, BLOCK_KB // 16) * 16
+    v = tl.arange(0, 16)
     zero = 0 * n[:, None, None]
-    g_lo = pid_k * g_per_split
-    g_hi = tl.minimum(g_lo + g_per_split, num_groups)
-    acc = tl.zeros([BLOCK_N, GROUPS, HALF_GROUP], dtype=tl.float32)
-    for g0 in range(g_lo, g_hi, GROUPS):
-        g = g0 + tl.arange(0, GROUPS)
-        byte = g[:, None] * HALF_GROUP + j[None, :]  # [GROUPS, HALF_GROUP]
-        w_ptrs = w_ptr + n64[:, None, None] * stride_wn + byte[None, :, :]
-        x_ptrs = xw_ptr + byte[None, :, :] + zero
-        s_ptrs = scale_ptr + n64[:, None] * stride_sn + g[None, :]
-        m_ptrs = min_ptr + n64[:, None] * stride_sn + g[None, :]
-        if EVEN_G:
-            b = tl.load(w_ptrs)
-            xv = tl.load(x_ptrs)
+    b_lo = pid_k * kb_per_split
+    b_hi = tl.minimum(b_lo + kb_per_split, KB)
+    acc = tl.zeros([BLOCK_N, BLOCK_KB // 16], dtype=tl.float32)
+    for kb0 in range(b_lo, b_hi, BLOCK_KB):
+        start = kb0 + chunk  # [CHUNKS] first byte of each chunk
+        byte = (start[:, None] + v[None, :])[None, :, :]
+        grp = (start // (GROUP_SIZE // 2))[None, :]
+        s_ptrs = scale_ptr + n64[:, None] * stride_sn + grp
+        m_ptrs = min_ptr + n64[:, None] * stride_sn + grp
+        if EVEN_K:
+            b = tl.load(w_ptr + n64[:, None, None] * stride_wn + byte, eviction_policy="evict_first")
+            xv = tl.load(xw_ptr + byte + zero)
             s = tl.load(s_ptrs).to(tl.float32)
             mn = tl.load(m_ptrs).to(tl.float32)
         else:
-            gm = g < g_hi
-            b = tl.load(w_ptrs, mask=gm[None, :, None], other=0)
-            xv = tl.load(x_ptrs, mask=gm[None, :, None], other=0)
-            s = tl.load(s_ptrs, mask=gm[None, :], other=0.0).to(tl.float32)
-            mn = tl.load(m_ptrs, mask=gm[None, :], other=0.0).to(tl.float32)
+            cm = (start < b_hi)[None, :]  # chunks never straddle b_hi: rows and splits are whole chunks
+            b = tl.load(w_ptr + n64[:, None, None] * stride_wn + byte, mask=cm[:, :, None], other=0,
+                        eviction_policy="evict_first")
+            xv = tl.load(xw_ptr + byte + zero, mask=cm[:, :, None], other=0)
+            s = tl.load(s_ptrs, mask=cm, other=0.0).to(tl.float32)
+            mn = tl.load(m_ptrs, mask=cm, other=0.0).to(tl.float32)
         xe, xo = _x_pairs(xv, X_KIND)
         bi = b.to(tl.int32)
         lo = small_uint_to_f32(bi & 0x0F)
         hi16 = small_uint_to_f32(bi & 0xF0)  # 16 * high nibble: saves the shift, undone by s / 16
         s3 = s[:, :, None]
         m3 = mn[:, :, None]
-        acc += (lo * s3 + m3) * xe + (hi16 * (s3 * 0.0625) + m3) * xo
-    y = tl.sum(tl.sum(acc, axis=2), axis=1)
+        acc += tl.sum((lo * s3 + m3) * xe + (hi16 * (s3 * 0.0625) + m3) * xo, axis=2)
+    y = tl.sum(acc, axis=1)
     if SPLIT:
         tl.store(part_ptr + pid_k * N + n, y, mask=n < N)
     else:
@@ -165,33 +171,37 @@ def _matmul_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr
     k_hi = tl.minimum(k_lo + k_per_split, K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if FORMAT == 2:
-        # one group at a time (BLOCK_K is a multiple of the group): its scale and minimum are
-        # vectors over N, and x's even / odd columns meet the low / high nibbles
-        jb = tl.arange(0, GROUP_SIZE // 2)
-        jx = tl.arange(0, GROUP_SIZE)
+        # dequantize [BLOCK_N, BLOCK_K // 32, 16]-byte tiles (one scale per 16-byte chunk, as in the
+        # GEMV), then two dots: low nibbles with x's even columns, high nibbles with its odd ones
+        chunk = tl.arange(0, BLOCK_K // 32) * 16
+        v = tl.arange(0, 16)
+        kx = tl.arange(0, BLOCK_K)
+        w_rows = w_ptr + rn64[:, None, None] * stride_wn
         for k0 in range(k_lo, k_hi, BLOCK_K):
-            for gi in tl.static_range(BLOCK_K // GROUP_SIZE):
-                kg = k0 + gi * GROUP_SIZE
-                s_ptrs = scale_ptr + rn64 * stride_sn + kg // GROUP_SIZE
-                m_ptrs = min_ptr + rn64 * stride_sn + kg // GROUP_SIZE
-                if EVEN_K:
-                    xt = tl.load(x_rows + kg + jx[None, :])
-                    b = tl.load(w_cols + kg // 2 + jb[:, None])
-                    s = tl.load(s_ptrs).to(tl.float32)
-                    mn = tl.load(m_ptrs).to(tl.float32)
-                else:
-                    # groups never straddle k_hi: K and the splits are whole groups
-                    xt = tl.load(x_rows + kg + jx[None, :], mask=(kg + jx[None, :]) < k_hi, other=0.0)
-                    b = tl.load(w_cols + kg // 2 + jb[:, None], mask=(kg + 2 * jb[:, None]) < k_hi, other=0)
-                    valid = (kg + 0 * rn) < k_hi
-                    s = tl.load(s_ptrs, mask=valid, other=0.0).to(tl.float32)
-                    mn = tl.load(m_ptrs, mask=valid, other=0.0).to(tl.float32)
-                xe, xo = tl.split(tl.reshape(xt, (BLOCK_M, GROUP_SIZE // 2, 2)))
-                bi = b.to(tl.int32)
-                lo = (small_uint_to_f32(bi & 0x0F) * s[None, :] + mn[None, :]).to(dt)
-                hi = (small_uint_to_f32(bi >> 4) * s[None, :] + mn[None, :]).to(dt)
-                acc += tl.dot(xe, lo)
-                acc += tl.dot(xo, hi)
+            start = k0 // 2 + chunk
+            byte = (start[:, None] + v[None, :])[None, :, :]
+            grp = (start // (GROUP_SIZE // 2))[None, :]
+            s_ptrs = scale_ptr + rn64[:, None] * stride_sn + grp
+            m_ptrs = min_ptr + rn64[:, None] * stride_sn + grp
+            if EVEN_K:
+                xt = tl.load(x_rows + k0 + kx[None, :])
+                b = tl.load(w_rows + byte)
+                s = tl.load(s_ptrs).to(tl.float32)
+                mn = tl.load(m_ptrs).to(tl.float32)
+            else:
+                cm = (2 * start < k_hi)[None, :]  # chunks never straddle k_hi
+                xt = tl.load(x_rows + k0 + kx[None, :], mask=(k0 + kx[None, :]) < k_hi, other=0.0)
+                b = tl.load(w_rows + byte, mask=cm[:, :, None], other=0)
+                s = tl.load(s_ptrs, mask=cm, other=0.0).to(tl.float32)
+                mn = tl.load(m_ptrs, mask=cm, other=0.0).to(tl.float32)
+            xe, xo = tl.split(tl.reshape(xt, (BLOCK_M, BLOCK_K // 2, 2)))
+            bi = b.to(tl.int32)
+            s3 = s[:, :, None]
+            m3 = mn[:, :, None]
+            lo = tl.reshape((small_uint_to_f32(bi & 0x0F) * s3 + m3).to(dt), (BLOCK_N, BLOCK_K // 2))
+            hi = tl.reshape((small_uint_to_f32(bi >> 4) * s3 + m3).to(dt), (BLOCK_N, BLOCK_K // 2))
+            acc += tl.dot(xe, tl.trans(lo))
+            acc += tl.dot(xo, tl.trans(hi))
     else:
         for k0 in range(k_lo, k_hi, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
@@ -278,29 +288,28 @@ def _pick_split(tiles: int, k_steps: int, sms: int, min_steps: int) -> int:
 
 
 def choose_config(m: int, n: int, k: int, fmt: str, device: torch.device) -> LinearConfig:
-    """Shape heuristics (no autotuning: it must also run under the CPU interpreter)."""
+    """Shape heuristics (no autotuning: it must also run under the CPU interpreter). GPU numbers come
+    from sweeps on an H200 (tests/test_kernels_gpu.py --sweep)."""
     sms = _sm_count(device)
-    on_gpu = device.type == "cuda"
-    if m == 1:
-        block_n = 8 if on_gpu else 16
-        block_k = (512 if fmt == "w4" else 512 if fmt == "w8" else 256) if on_gpu else 64
-        tiles = -(-n // block_n)
-        split = _pick_split(tiles, -(-k // block_k), sms, 4 if on_gpu else 1)
-        return LinearConfig("gemv", 1, block_n, block_k, split, num_warps=4, num_stages=3 if on_gpu else 1)
-    if on_gpu and fmt == "dense" and m > 64:
-        return LinearConfig("torch")
-    if not on_gpu:
+    if device.type != "cuda":
+        if m == 1:
+            split = _pick_split(-(-n // 16), -(-k // 64), sms, 1)
+            return LinearConfig("gemv", 1, 16, 64, split, num_warps=4, num_stages=1)
         block_m = 16 if m <= 16 else 32
-        tiles = -(-m // block_m) * -(-n // 32)
-        split = _pick_split(tiles, -(-k // 64), sms, 2)
+        split = _pick_split(-(-m // block_m) * -(-n // 32), -(-k // 64), sms, 2)
         return LinearConfig("matmul", block_m, 32, 64, split, num_warps=4, num_stages=1)
+    if m == 1:
+        # 4 rows x 1024 columns a step; split K only while the rows alone leave SMs idle
+        block_k = 2048 if fmt == "w4" else 1024
+        split = _pick_split(-(-n // 4), -(-k // block_k), sms, 4)
+        return LinearConfig("gemv", 1, 4, block_k, split, num_warps=4, num_stages=1)
+    if fmt == "dense":
+        return LinearConfig("torch")  # cuBLAS is at bandwidth for dense weights from M = 2 on
     if m <= 64:
         block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-        block_n = 64
-        block_k = 128
-        tiles = -(-m // block_m) * -(-n // block_n)
-        split = _pick_split(tiles, -(-k // block_k), sms, 4)
-        return LinearConfig("matmul", block_m, block_n, block_k, split, num_warps=4, num_stages=3)
+        tiles = -(-m // block_m) * -(-n // 64)
+        split = _pick_split(tiles, -(-k // 128), sms, 4)
+        return LinearConfig("matmul", block_m, 64, 128, split, num_warps=4, num_stages=3)
     block_m = 64 if m <= 128 else 128
     return LinearConfig("matmul", block_m, 128, 64, 1, num_warps=8 if block_m == 128 else 4, num_stages=3)
 
@@ -331,22 +340,19 @@ def linear(x: torch.Tensor, w: LinearWeight, config: LinearConfig | None = None)
     split = max(1, cfg.split)
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
     if fmt == 2 and cfg.kind == "gemv":
-        half = w.group_size // 2
-        groups = max(1, cfg.block_k // w.group_size)
-        num_groups = k // w.group_size
-        per = -(-num_groups // split)
-        per = -(-per // groups) * groups
-        split = -(-num_groups // per)
+        kb = k // 2  # bytes a row; a whole number of 16-byte chunks since groups are >= 32 weights
+        block_kb = max(16, cfg.block_k // 2)
+        per = -(-kb // split)
+        per = -(-per // block_kb) * block_kb
+        split = -(-kb // per)
         part = part[:split]
         _gemv_w4_kernel[(triton.cdiv(n, cfg.block_n), split)](
-            _x_words(x2), data, scale, minimum, bias, out, part, n, num_groups, per, data.stride(0), scale.stride(0),
-            X_KIND=_X_KINDS[x.dtype], HAS_BIAS=w.bias is not None, SPLIT=split > 1,
-            EVEN_G=num_groups % groups == 0 and per % groups == 0,
-            BLOCK_N=cfg.block_n, GROUPS=groups, HALF_GROUP=half, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            _x_words(x2), data, scale, minimum, bias, out, part, n, kb, per, data.stride(0), scale.stride(0),
+            X_KIND=_X_KINDS[x.dtype], HAS_BIAS=w.bias is not None, SPLIT=split > 1, EVEN_K=kb % block_kb == 0,
+            GROUP_SIZE=w.group_size, BLOCK_N=cfg.block_n, BLOCK_KB=block_kb,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     else:
-        block_k = cfg.block_k
-        if fmt == 2:
-            block_k = -(-block_k // w.group_size) * w.group_size  # whole groups per step
+        block_k = max(cfg.block_k, 32)
         per = -(-k // split)
         per = -(-per // block_k) * block_k
         split = -(-k // per)
@@ -356,7 +362,8 @@ def linear(x: torch.Tensor, w: LinearWeight, config: LinearConfig | None = None)
             _gemv_kernel[(triton.cdiv(n, cfg.block_n), split)](
                 x2, data, scale, bias, out, part, n, k, per, data.stride(0),
                 FORMAT=fmt, HAS_BIAS=w.bias is not None, SPLIT=split > 1, EVEN_K=even_k,
-                BLOCK_N=cfg.block_n, BLOCK_K=block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                BLOCK_N=cfg.block_n, BLOCK_K=block_k, VEC=16 // data.element_size(),
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         else:
             tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
             _matmul_kernel[(tiles, split)](

@@ -44,7 +44,7 @@ class ModelConfig:
         """[max_pos, head_dim] float32: cos in the first half, sin in the second (kernels.rope)."""
         n = max_positions or self.max_position_embeddings
         inv_freq = 1.0 / (self.rope_theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float64) / self.head_dim))
-        inv_freq = _scaled_inv_freq(inv_freq, self.rope_scaling)
+        inv_freq = scaled_inv_freq(inv_freq, self.rope_scaling)
         freqs = torch.outer(torch.arange(n, dtype=torch.float64), inv_freq)
         return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(torch.float32)
 
@@ -52,7 +52,7 @@ class ModelConfig:
         return replace(self, **kw)
 
 
-def _scaled_inv_freq(inv_freq: torch.Tensor, scaling: dict | None) -> torch.Tensor:
+def scaled_inv_freq(inv_freq: torch.Tensor, scaling: dict | None) -> torch.Tensor:
     """Llama 3 frequency-dependent rope scaling (and linear scaling); unknown kinds are rejected."""
     if not scaling:
         return inv_freq

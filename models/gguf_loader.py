@@ -21,7 +21,7 @@ from tokenizers import Tokenizer as Backend
 from edged.kernels import LinearWeight, pack_w4
 
 from .chat_template import ChatTemplate, pick_template
-from .config import ModelConfig, _scaled_inv_freq
+from .config import ModelConfig, scaled_inv_freq
 from .loader import LoadedModel
 from .runtime_weights import Named
 from .tokenizer import Tokenizer
@@ -134,7 +134,7 @@ def _llama3_scaling(factors: np.ndarray, theta: float, head_dim: int, original_l
     scaling = {"rope_type": "llama3", "factor": float(factors.max()), "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": original_len}
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-    expected = (inv_freq / _scaled_inv_freq(inv_freq, scaling)).numpy()
+    expected = (inv_freq / scaled_inv_freq(inv_freq, scaling)).numpy()
     if expected.shape != factors.shape or not np.allclose(expected, factors, rtol=1e-3):
         raise ValueError("rope_freqs.weight does not match llama3 rope scaling; this rope scheme is not supported")
     return scaling
@@ -226,12 +226,17 @@ _GPT4O_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm
                 r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
                 r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
                 r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_TEKKEN_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+                 r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+                 r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_LLAMA3_NAMES = ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2")
 _SPLIT_REGEX = {
-    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "smaug-bpe", "dbrx", "falcon3"), _LLAMA3_SPLIT),
+    **dict.fromkeys((*_LLAMA3_NAMES, "smaug-bpe", "dbrx"), _LLAMA3_SPLIT),
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez"), _QWEN2_SPLIT),
     **dict.fromkeys(("gpt-4o", "llama4"), _GPT4O_SPLIT),
+    "tekken": _TEKKEN_SPLIT,
 }
-_IGNORE_MERGES = ("llama3", "llama-v3", "llama-bpe", "smaug-bpe", "dbrx", "falcon3")  # whole words in the vocab win
+_IGNORE_MERGES = (*_LLAMA3_NAMES, "tekken")  # a word that is in the vocabulary is one token, whatever the merges say
 # Digits one by one, then the GPT-2 split (llama.cpp's STARCODER/SMOLLM group).
 _DIGITS_THEN_GPT2 = ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva")
 _GPT2 = ("gpt-2", "gpt2", "phi-2", "roberta-bpe", "jina-es", "jina-de", "jina-v2-es", "jina-v2-de", "jina-v2-code")
@@ -269,6 +274,8 @@ def tokenizer_from_gguf(meta: dict[str, Any]) -> Tokenizer:
 
 
 def _byte_level_bpe(tokens: list[str], merges: list[str], pre: str | None) -> Backend:
+    if not merges:
+        raise ValueError("GGUF byte-level BPE tokenizer has no merges (tokenizer.ggml.merges)")
     vocab = {t: i for i, t in enumerate(tokens)}
     pairs = [tuple(m.split(" ", 1)) for m in merges]
     backend = Backend(models.BPE(vocab, pairs, ignore_merges=pre in _IGNORE_MERGES))

@@ -154,7 +154,8 @@ def test_chat_non_streaming_json(srv, certs):
 def test_completions_stream_and_json(srv, certs):
     async def go():
         async with client(srv, certs) as c:
-            r = await c.request("POST", "/v1/completions", JSON, json.dumps({"prompt": "abc", "max_tokens": 2}).encode())
+            r = await c.request("POST", "/v1/completions", JSON,
+                                json.dumps({"prompt": "abc", "max_tokens": 2}).encode())
             obj = r.json()
             assert obj["object"] == "text_completion" and obj["choices"][0]["text"] == expected_text(2)
             assert obj["choices"][0]["finish_reason"] == "length" and obj["usage"]["prompt_tokens"] == 3

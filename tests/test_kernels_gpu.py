@@ -168,19 +168,23 @@ def paged_cache(ctx_lens: list[int], hkv: int, d: int, block: int, dtype: torch.
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("int8", [False, True])
 def test_write_kv_exact(dtype: torch.dtype, int8: bool) -> None:
+    """Bit-exact with the reference run on the CPU. (The reference run on the GPU is not: PyTorch's
+    CUDA division by the scalar 127.0 multiplies by its reciprocal, so its scales can differ by an ulp.)"""
     n, s, h, d, t = 64, 16, 8, 128, 333
     k = (3 * torch.randn(t, h, d, device=DEV)).to(dtype)
     v = torch.randn(t, h, d, device=DEV).to(dtype)
     slots = torch.randperm(n * s, device=DEV)[:t]
     slots[::7] = -1
     store = torch.int8 if int8 else dtype
-    caches = [torch.full((n, s, h, d), 3, dtype=store, device=DEV) for _ in range(4)]
-    scales = [torch.full((n, s, h), -1.0, device=DEV) if int8 else None for _ in range(4)]
-    ops.write_kv(k, v, caches[0], caches[1], slots, scales[0], scales[1])
-    reference.write_kv(k, v, caches[2], caches[3], slots, scales[2], scales[3])
-    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    caches = [torch.full((n, s, h, d), 3, dtype=store) for _ in range(4)]
+    scales = [torch.full((n, s, h), -1.0) if int8 else None for _ in range(4)]
+    got = [c.to(DEV) for c in caches[:2]]
+    got_s = [None if x is None else x.to(DEV) for x in scales[:2]]
+    ops.write_kv(k, v, got[0], got[1], slots, got_s[0], got_s[1])
+    reference.write_kv(k.cpu(), v.cpu(), caches[2], caches[3], slots.cpu(), scales[2], scales[3])
+    assert torch.equal(got[0].cpu(), caches[2]) and torch.equal(got[1].cpu(), caches[3])
     if int8:
-        assert torch.equal(scales[0], scales[2]) and torch.equal(scales[1], scales[3])
+        assert torch.equal(got_s[0].cpu(), scales[2]) and torch.equal(got_s[1].cpu(), scales[3])
 
 
 # ------------------------------------------------------------------------------------------- attention
@@ -329,12 +333,17 @@ def _graph_time(fn, calls: int = 8, replays: int = 20) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def copy_bandwidth() -> float:
-    """Bytes read + written per second by a 2 GB device-to-device copy."""
+def copy_bandwidth() -> tuple[float, float]:
+    """(copy, read) bytes per second: a 2 GiB device-to-device copy counting bytes read + written,
+    and a sum over the same 2 GiB (bytes read)."""
     src = torch.randn(2**29, device=DEV)  # 2 GiB
     dst = torch.empty_like(src)
-    t = _graph_time(lambda i=0: dst.copy_(src), calls=2, replays=5)
-    return 2 * src.numel() * 4 / t
+    for _ in range(50):  # let the clocks come up
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    copy = 2 * src.numel() * 4 / _graph_time(lambda i=0: dst.copy_(src), calls=4, replays=10)
+    read = src.numel() * 4 / _graph_time(lambda i=0: src.sum(), calls=4, replays=10)
+    return copy, read
 
 
 _WEIGHTS: dict[tuple, list[LinearWeight]] = {}
@@ -376,15 +385,24 @@ def decode_time(batch: int, ctx: int, dtype=torch.bfloat16, int8: bool = False, 
     return _graph_time(call, calls=max(8, min(copies, 32))), nbytes
 
 
+def prefill_time(tokens: int, dtype=torch.bfloat16, hq: int = 32, hkv: int = 8, d: int = 128) -> tuple[float, float]:
+    """(seconds, causal attention FLOPs) of one prompt of `tokens` tokens."""
+    kc, vc, _, _, tables = paged_cache([tokens], hkv, d, 16, dtype, False, seed=5)
+    q = torch.randn(tokens, hq, d, device=DEV).to(dtype)
+    cu = torch.tensor([0, tokens], dtype=torch.int32, device=DEV)
+    lens = torch.tensor([tokens], dtype=torch.int32, device=DEV)
+    t = _graph_time(lambda i=0: ops.attention_prefill(q, kc, vc, tables, cu, lens, d ** -0.5), calls=2, replays=5)
+    return t, 2.0 * tokens * tokens * hq * d  # 4 T^2 H D / 2 (causal)
+
+
 def report(sweep: bool = False) -> None:
-    copy = copy_bandwidth()
-    print(f"copy bandwidth (read+write, 2 GiB fp32): {copy / 1e9:8.0f} GB/s", flush=True)
-    rows = []
+    copy, read = copy_bandwidth()
+    print(f"copy bandwidth (2 GiB fp32, read+write): {copy / 1e9:8.0f} GB/s   read (sum): {read / 1e9:8.0f} GB/s",
+          flush=True)
 
     def row(name: str, fn) -> None:
         try:
             t, nbytes = fn()
-            rows.append((name, t, nbytes / t))
             print(f"{name:46s} {t * 1e6:9.1f} us {nbytes / t / 1e9:8.0f} GB/s {100 * nbytes / t / copy:6.1f}% of copy",
                   flush=True)
         except Exception as e:  # noqa: BLE001 - keep measuring the rest
@@ -397,44 +415,87 @@ def report(sweep: bool = False) -> None:
     row("linear w8 4096x14336 M=1 fp16", lambda: gemv_time("w8", 4096, 14336, 1, torch.float16))
     row("linear w4 4096x14336 M=1 fp16", lambda: gemv_time("w4", 4096, 14336, 1, torch.float16))
     row("linear w4 g128 4096x14336 M=1 bf16", lambda: gemv_time("w4", 4096, 14336, 1, group=128))
+    row("linear w8 128256x4096 M=1 bf16 (lm_head)", lambda: gemv_time("w8", 128256, 4096, 1, copies=1))
     for n, k in ((4096, 14336), (14336, 4096)):
-        for m in (1, 16):
-            row(f"cuBLAS F.linear dense {n}x{k} M={m} bf16", lambda: gemv_time("dense", n, k, m, use_torch=True))
+        row(f"cuBLAS F.linear dense {n}x{k} M=1 bf16", lambda: gemv_time("dense", n, k, 1, use_torch=True))
     for batch in (1, 32):
         for ctx in (1024, 4096):
             row(f"attention_decode B={batch} ctx={ctx} bf16", lambda: decode_time(batch, ctx))
     row("attention_decode B=32 ctx=1024 int8 KV", lambda: decode_time(32, 1024, int8=True))
     row("attention_decode B=1 ctx=1024 hd64", lambda: decode_time(1, 1024, d=64))
+    for fmt in ("w8", "w4", "dense"):
+        try:
+            t, _ = gemv_time(fmt, 14336, 4096, 2048, copies=1, use_torch=fmt == "dense")
+            print(f"linear {fmt} 14336x4096 M=2048 bf16: {t * 1e6:8.1f} us {2 * 2048 * 14336 * 4096 / t / 1e12:6.0f} TFLOP/s",
+                  flush=True)
+        except Exception as e:  # noqa: BLE001
+            print(f"linear {fmt} M=2048 FAILED {type(e).__name__}: {e}", flush=True)
+    for tokens in (2048, 8192):
+        try:
+            t, flops = prefill_time(tokens)
+            print(f"attention_prefill T={tokens} hd128 bf16: {t * 1e6:8.1f} us {flops / t / 1e12:6.0f} TFLOP/s", flush=True)
+        except Exception as e:  # noqa: BLE001
+            print(f"attention_prefill T={tokens} FAILED {type(e).__name__}: {e}", flush=True)
     if sweep:
-        sweep_gemv(copy)
+        sweep_configs(copy)
 
 
-def sweep_gemv(copy: float) -> None:
-    """GEMV launch configurations at M=1 (for the heuristics in triton_linear.choose_config)."""
+def sweep_configs(copy: float) -> None:
+    """Launch configurations (for the heuristics in triton_linear.choose_config and attention_decode)."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    cands = {"w8": [(4, 512, 4), (8, 512, 4), (16, 512, 4), (8, 1024, 4), (16, 1024, 8), (8, 256, 4),
-                    (16, 256, 4), (32, 256, 4), (4, 1024, 4)],
-             "w4": [(8, 512, 4), (16, 512, 4), (8, 1024, 4), (16, 1024, 8), (4, 1024, 4), (32, 256, 4),
-                    (16, 256, 4), (8, 256, 4)]}
-    for fmt in ("w8", "w4"):
+
+    def measure(label: str, fn) -> float:
+        try:
+            t, nbytes = fn()
+        except Exception as e:  # noqa: BLE001 - a config that fails is reported and skipped
+            print(f"  {label}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            return 0.0
+        print(f"  {label}: {t * 1e6:7.1f} us {nbytes / t / 1e9:6.0f} GB/s {100 * nbytes / t / copy:5.1f}%", flush=True)
+        return nbytes / t
+
+    gemv = {"w8": [(4, 1024, 4), (2, 2048, 4), (4, 2048, 4), (8, 1024, 4), (8, 2048, 8), (16, 512, 4)],
+            "w4": [(4, 1024, 4), (4, 2048, 4), (8, 2048, 4), (2, 4096, 4), (8, 1024, 4), (16, 1024, 8)],
+            "dense": [(4, 512, 4), (4, 1024, 4), (8, 1024, 8), (2, 2048, 4)]}
+    for fmt, cands in gemv.items():
         for n, k in ((4096, 14336), (14336, 4096)):
-            best: tuple[float, object] = (0.0, None)
-            for bn, bk, warps in cands[fmt]:
+            best = (0.0, "")
+            for bn, bk, warps in cands:
                 tiles = -(-n // bn)
-                for split in sorted({1, -(-2 * sms // tiles), -(-4 * sms // tiles), -(-8 * sms // tiles)}):
+                for split in sorted({1, -(-2 * sms // tiles), -(-4 * sms // tiles)}):
                     if split > max(1, k // bk // 2):
                         continue
                     cfg = tlin.LinearConfig("gemv", 1, bn, bk, split, num_warps=warps, num_stages=1)
-                    try:
-                        t, nbytes = gemv_time(fmt, n, k, config=cfg)
-                    except Exception as e:  # noqa: BLE001 - a config that fails is reported and skipped
-                        print(f"  {fmt} {n}x{k} {cfg}: {type(e).__name__}", flush=True)
-                        continue
-                    bw = nbytes / t
-                    print(f"  {fmt} {n}x{k} bn={bn} bk={bk} warps={warps} split={split}: {t * 1e6:7.1f} us "
-                          f"{bw / 1e9:6.0f} GB/s {100 * bw / copy:5.1f}%", flush=True)
-                    best = max(best, (bw, cfg), key=lambda r: r[0])
-            print(f"BEST {fmt} {n}x{k}: {best[0] / 1e9:.0f} GB/s {100 * best[0] / copy:.1f}% {best[1]}", flush=True)
+                    label = f"{fmt} {n}x{k} M=1 bn={bn} bk={bk} warps={warps} split={split}"
+                    best = max(best, (measure(label, lambda: gemv_time(fmt, n, k, config=cfg)), label))
+            print(f"BEST {best[1]}: {best[0] / 1e9:.0f} GB/s {100 * best[0] / copy:.1f}%", flush=True)
+    for fmt in ("w8", "w4"):
+        for m in (16, 64):
+            n, k = 14336, 4096
+            best = (0.0, "")
+            for bm, bn, bk, warps in ((16, 64, 128, 4), (16, 128, 128, 4), (32, 64, 128, 4), (64, 64, 128, 4),
+                                      (64, 128, 64, 4), (16, 64, 256, 4)):
+                if bm > max(16, m):
+                    continue
+                tiles = -(-m // bm) * -(-n // bn)
+                for split in sorted({1, max(1, min(-(-2 * sms // tiles), k // bk // 2))}):
+                    cfg = tlin.LinearConfig("matmul", bm, bn, bk, split, num_warps=warps, num_stages=3)
+                    label = f"{fmt} {n}x{k} M={m} {bm}x{bn}x{bk} warps={warps} split={split}"
+                    best = max(best, (measure(label, lambda: gemv_time(fmt, n, k, m, config=cfg)), label))
+            print(f"BEST {best[1]}: {best[0] / 1e9:.0f} GB/s {100 * best[0] / copy:.1f}%", flush=True)
+    for int8 in (False, True):
+        for block_t, warps in ((32, 4), (64, 4), (128, 4), (64, 8), (128, 8)):
+            def run(block_t=block_t, warps=warps, int8=int8):
+                return _decode_time_cfg(32, 1024, int8, block_t, warps)
+            measure(f"decode B=32 ctx=1024 int8={int8} block_t={block_t} warps={warps}", run)
+
+
+def _decode_time_cfg(batch: int, ctx: int, int8: bool, block_t: int, warps: int) -> tuple[float, int]:
+    kc, vc, ks, vs, tables = paged_cache([ctx] * batch, 8, 128, 16, torch.bfloat16, int8, seed=7)
+    q = torch.randn(batch, 32, 128, device=DEV).bfloat16()
+    lens = torch.tensor([ctx] * batch, dtype=torch.int32, device=DEV)
+    t = _graph_time(lambda i=0: tattn.attention_decode(q, kc, vc, tables, lens, 128 ** -0.5, ks, vs,
+                                                       block_t=block_t, num_warps=warps))
+    return t, 2 * batch * ctx * 8 * 128 * (1 if int8 else 2) + (2 * batch * ctx * 8 * 4 if int8 else 0)
 
 
 if __name__ == "__main__":

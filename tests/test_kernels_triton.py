@@ -154,6 +154,14 @@ def test_linear_w4_groups_gemv_split(group: int) -> None:
     _check_linear(x, w, tlin.LinearConfig("gemv", 1, 16, group, split=1))
 
 
+def test_linear_w4_ragged_k() -> None:
+    torch.manual_seed(3)
+    w = _weight("w4", 24, 224, torch.float32, bias=False)  # 7 groups: the K step does not divide K
+    x = torch.randn(1, 224)
+    _check_linear(x, w, tlin.LinearConfig("gemv", 1, 16, 64, split=2))
+    _check_linear(torch.randn(20, 224), w, tlin.LinearConfig("matmul", 16, 16, 64, split=1))
+
+
 def test_linear_w4_gemv_bf16_x_words() -> None:
     # the w4 GEMV reads bf16 x as 32-bit words (integer ops only, so the interpreter gets them right);
     # this x starts at an odd element, off the word boundary

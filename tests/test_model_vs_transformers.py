@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import llama_cpp_permute
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import quantize as gguf_quantize
 
@@ -40,8 +41,7 @@ def hf_model(gguf_path: Path):
 
 @pytest.fixture(scope="module")
 def edged_model(loaded_model: LoadedModel) -> LlamaModel:
-    weights = build_weights(loaded_model.named_weights, loaded_model.config, quant="none")
-    return LlamaModel(loaded_model.config, weights, max_positions=512)
+    return edged_dense(loaded_model)
 
 
 def greedy(model: LlamaModel, prompt: list[int], max_new: int, eos: set[int], block_size: int = 16) -> list[int]:
@@ -75,7 +75,8 @@ def prefill_logits(model: LlamaModel, ids: list[int]) -> torch.Tensor:
 
 
 def edged_dense(loaded: LoadedModel) -> LlamaModel:
-    return LlamaModel(loaded.config, build_weights(loaded.named_weights, loaded.config, quant="none"))
+    """float32, every weight dequantized: the CPU path, compared with transformers' float32 model."""
+    return LlamaModel(loaded.config, build_weights(loaded.named_weights, loaded.config, quant="none"), 512)
 
 
 # --- the embedded SmolLM2 GGUF ---------------------------------------------------------------------
@@ -130,13 +131,6 @@ _GGUF_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.we
                 "lm_head.weight": "output.weight"}
 
 
-def _permute(w: np.ndarray, n_head: int, n_head_kv: int | None) -> np.ndarray:
-    """convert_hf_to_gguf.LlamaModel.permute, verbatim."""
-    if n_head_kv is not None and n_head != n_head_kv:
-        n_head = n_head_kv
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
 def _gguf_name(hf_name: str) -> str:
     if hf_name in _GGUF_GLOBAL:
         return _GGUF_GLOBAL[hf_name]
@@ -175,9 +169,9 @@ def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for name, t in random_named_weights(cfg, seed=5, std=0.1).items():
         a = t.numpy()
         if ".q_proj." in name:
-            a = _permute(a, cfg.num_heads, cfg.num_heads)
+            a = llama_cpp_permute(a, cfg.num_heads, cfg.num_heads)
         elif ".k_proj." in name:
-            a = _permute(a, cfg.num_heads, cfg.num_kv_heads)
+            a = llama_cpp_permute(a, cfg.num_heads, cfg.num_kv_heads)
         if a.ndim == 2 and "embed" not in name:
             w.add_tensor(_gguf_name(name), gguf_quantize(a, Q4_0), raw_dtype=Q4_0)
         else:

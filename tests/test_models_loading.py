@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import llama_cpp_permute
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
@@ -78,19 +79,13 @@ def test_default_model_config_is_smollm2(loaded_model: LoadedModel, gguf_path: P
         assert getattr(cfg, name) == getattr(ref, name), name
     assert math.isclose(cfg.rms_norm_eps, 1e-5, rel_tol=1e-6)
     assert cfg.rope_scaling is None
-    assert cfg.bos_token_id == 1 and cfg.eos_token_ids[0] == 2  # <|im_start|>, <|im_end|>
+    assert cfg.bos_token_id == 1  # <|im_start|>
+    assert cfg.eos_token_ids == [2, 0]  # the file's eos <|im_end|>, and <|endoftext|> as llama.cpp ends on it too
     assert loaded_model.model_id == "SmolLM2-135M-Instruct" and loaded_model.source_path == gguf_path
     assert "lm_head.weight" not in loaded_model.named_weights  # tied to the embedding
 
 
 # --- GGUF tensors -----------------------------------------------------------------------------------
-
-def _permute(w: np.ndarray, n_head: int, n_head_kv: int | None) -> np.ndarray:
-    """convert_hf_to_gguf.LlamaModel.permute, verbatim: what the loader must undo."""
-    if n_head_kv is not None and n_head != n_head_kv:
-        n_head = n_head_kv
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
 
 def test_every_tensor_equals_gguf_dequantize(loaded_model: LoadedModel, gguf_path: Path) -> None:
     """Q4_1 stays packed (w4, group 32) and dequantizes bit-exactly; q/k rows are un-permuted."""
@@ -105,9 +100,9 @@ def test_every_tensor_equals_gguf_dequantize(loaded_model: LoadedModel, gguf_pat
         assert isinstance(w, torch.Tensor) and w.dtype == torch.float32, t.name
         got = w.numpy()
         if ".attn_q." in t.name:
-            got = _permute(got, cfg.num_heads, cfg.num_heads)
+            got = llama_cpp_permute(got, cfg.num_heads, cfg.num_heads)
         elif ".attn_k." in t.name:
-            got = _permute(got, cfg.num_heads, cfg.num_kv_heads)
+            got = llama_cpp_permute(got, cfg.num_heads, cfg.num_kv_heads)
         want = gguf_dequantize(t.data, t.tensor_type).reshape(got.shape)
         assert np.array_equal(got, want), t.name
     assert named["model.layers.0.mlp.down_proj.weight"].in_features == cfg.intermediate_size  # [out, in]
@@ -128,7 +123,7 @@ def test_q4_blocks_become_w4_exactly(qtype: GGMLQuantizationType) -> None:
 def test_unpermute_inverts_convert_permute_on_packed_rows() -> None:
     n_head, n_kv, head_dim, cols = 4, 2, 8, 64
     w = np.random.default_rng(1).standard_normal((n_kv * head_dim, cols)).astype(np.float32)
-    permuted = _permute(w, n_head, n_kv)
+    permuted = llama_cpp_permute(w, n_head, n_kv)
     packed = gguf_loader.q4_to_w4(gguf_quantize(permuted, GGMLQuantizationType.Q4_1),
                                   GGMLQuantizationType.Q4_1, *w.shape)
     dense = gguf_loader.unpermute_rows(torch.from_numpy(permuted.copy()), n_kv)

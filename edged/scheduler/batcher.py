@@ -196,7 +196,10 @@ class Batcher:
 
     def _reject_running(self, seq: Sequence) -> None:
         """seq cannot fit even alone: the pool is smaller than this one request."""
-        self._chunks.pop(seq, None)
+        chunk = self._chunks.pop(seq, None)
+        if chunk is not None:
+            self._plan.chunks.remove(chunk)
+            self._budget += chunk.num_new_tokens
         self.running.remove(seq)
         self.blocks.release(seq)
         e = self.queues.forget(seq)
@@ -247,9 +250,11 @@ class Batcher:
             if e.seq.first_token_at is not None:
                 return False
             slack = e.deadline - now
-            target = self.board.tiers[e.tier].target_s
-            if slack > target * frac:
-                toks = e.seq.num_uncomputed
+            st = self.board.tiers[e.tier]
+            if slack > st.target_s * frac:
+                # Time to prefill the tier's whole queue (the head goes first, the rest follow it
+                # closely when they arrived in a burst) plus two steps.
+                toks = max(e.seq.num_uncomputed, st.waiting_tokens)
                 need = m.b * toks + (-(-toks // budget) + 2) * step
                 return slack <= need
             return True
@@ -404,7 +409,8 @@ class Batcher:
         return self.board.snapshot()
 
     def admission(self, **kwargs):
-        """An AdmissionController that reads this batcher's board, step model and limits."""
+        """An AdmissionController on this batcher's board, step model, limits, clock and preemption
+        settings (for the event loop: `router.admission = batcher.admission()`)."""
         from .admission import AdmissionController
 
-        return AdmissionController(self.board, self.step_stats, self.limits, clock=self.clock, **kwargs)
+        return AdmissionController.for_batcher(self, **kwargs)

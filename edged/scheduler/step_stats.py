@@ -50,7 +50,7 @@ class StepStats:
     """Recent step-time model plus per-sequence service figures; every method is thread-safe.
 
     forget: weight kept by the past at each new step (0.98: the last ~50 steps dominate).
-    prior_weight: how many pseudo-steps the prior `StepModel` is worth (it fades once steps come in).
+    prior_weight: how many pseudo-steps the prior `StepModel` is worth at first (it fades with each step).
     """
 
     def __init__(self, prior: StepModel | None = None, forget: float = 0.98, prior_weight: float = 2.0,
@@ -114,7 +114,9 @@ class StepStats:
     def _fit(self) -> StepModel:
         p = self.prior
         theta0 = (p.a, p.b * P_SCALE, p.c * N_SCALE)
-        k = self.prior_weight
+        # The prior fades twice as fast as old steps, down to a floor that keeps the fit well posed
+        # when recent steps all look alike (same batch size, no prefill).
+        k = max(self.prior_weight * self.forget ** (2 * self.steps), 1e-4)
         m = [[self._xx[i][j] + (k if i == j else 0.0) for j in range(3)] for i in range(3)]
         v = [self._xy[i] + k * theta0[i] for i in range(3)]
         sol = _solve3(m, v)

@@ -497,7 +497,8 @@ class TierScheduler:
     def waiting(self) -> Iterable[Entry]:
         """Queued entries, tier by tier (most important first), each in deadline order."""
         for name in self.board.names():
-            yield from sorted((item for item in self._heaps[name] if self._live(item)), key=lambda i: i[:2])
+            for item in sorted((item for item in self._heaps[name] if self._live(item)), key=lambda i: i[:2]):
+                yield item[2]
 
     def num_waiting(self) -> int:
         return sum(self._count.values())

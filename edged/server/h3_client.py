@@ -309,7 +309,8 @@ class H3Client:
     def connected(self) -> bool:
         return self._protocol is not None and self._protocol.terminated is None
 
-    def _open(self, method: str, path: str, headers: HeadersArg, body: bytes | None, end_stream: bool) -> ResponseStream:
+    def _open(self, method: str, path: str, headers: HeadersArg, body: bytes | None,
+              end_stream: bool) -> ResponseStream:
         p = self._protocol
         if p is None or p.terminated is not None:
             raise ConnectError("not connected" if p is None else f"connection closed: {describe_close(p.terminated)}")
@@ -468,8 +469,8 @@ def run_chat_command(prompt: str, host: str, port: int, ca_file: str | None, ins
         try:
             await client.connect()
         except CertificateError as e:
-            hint = (f"pass --ca-file with the server's certificate (the daemon's own is <state_dir>/tls/cert.pem)"
-                    f" or --insecure to skip verification" + (f"; {ca_file} did not verify it" if ca_file else ""))
+            hint = ("pass --ca-file with the server's certificate (the daemon's own is <state_dir>/tls/cert.pem)"
+                    " or --insecure to skip verification" + (f"; {ca_file} did not verify it" if ca_file else ""))
             print(f"edged chat: {e}\n  hint: {hint}", file=sys.stderr)
             return 1
         except ConnectError as e:

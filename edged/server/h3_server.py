@@ -110,6 +110,8 @@ class RequestStream:
         self.prompt_tokens = 0
         self.completion_tokens = 0
         self.ttft: float | None = None
+        self.cache_hit = False  # answered from the result cache
+        self.response_headers: list[tuple[str, str]] = []  # added to whatever response is sent
         self.task: asyncio.Task[None] | None = None
         self.started = protocol._loop.time()
         self._dispatched = False
@@ -226,7 +228,8 @@ class RequestStream:
     def _base_headers(self, status: int, content_type: str, extra: list[tuple[str, str]]) -> list[tuple[bytes, bytes]]:
         h = [(b":status", str(status).encode()), (b"server", b"edged"), (b"x-request-id", self.request_id.encode()),
              (b"content-type", content_type.encode())]
-        h += [(k.lower().encode("latin-1"), v.encode("latin-1", "replace")) for k, v in extra]
+        h += [(k.lower().encode("latin-1"), v.encode("latin-1", "replace"))
+              for k, v in [*self.response_headers, *extra]]
         return h
 
     def respond(self, status: int, body: bytes, content_type: str = "application/json",

@@ -120,7 +120,8 @@ def parse_chat_request(body: bytes) -> ParsedRequest:
             raise WireError(400, "Only response_format type 'text' is supported.", param="response_format",
                             code="unsupported_parameter")
     if obj.get("logprobs") not in (None, False):
-        raise WireError(400, "'logprobs' is not supported by this server.", param="logprobs", code="unsupported_parameter")
+        raise WireError(400, "'logprobs' is not supported by this server.", param="logprobs",
+                        code="unsupported_parameter")
     return p
 
 
@@ -134,7 +135,8 @@ def parse_completion_request(body: bytes) -> ParsedRequest:
     if obj.get("suffix") not in (None, ""):
         raise WireError(400, "'suffix' is not supported by this server.", param="suffix", code="unsupported_parameter")
     if obj.get("logprobs") is not None:
-        raise WireError(400, "'logprobs' is not supported by this server.", param="logprobs", code="unsupported_parameter")
+        raise WireError(400, "'logprobs' is not supported by this server.", param="logprobs",
+                        code="unsupported_parameter")
     best_of = obj.get("best_of")
     if best_of is not None and best_of != 1:
         raise WireError(400, "'best_of' must be 1: this server returns one choice.", param="best_of",
@@ -157,7 +159,8 @@ def _check_encodable(value: str, param: str) -> None:
     try:
         value.encode("utf-8")
     except UnicodeEncodeError:
-        raise _bad(f"'{param}' contains an invalid Unicode escape (lone surrogate).", param, "invalid_encoding") from None
+        raise _bad(f"'{param}' contains an invalid Unicode escape (lone surrogate).", param,
+                   "invalid_encoding") from None
 
 
 def _json_type(value: Any) -> str:

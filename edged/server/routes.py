@@ -14,13 +14,14 @@ import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from edged.log import fields
 from edged.server import openai_wire as wire
 from edged.server.openai_wire import ParsedRequest, WireError
 
 if TYPE_CHECKING:
+    from edged.cache.result_front import ResultCacheFront
     from edged.engine.request import GenerationRequest
     from edged.server.h3_server import ApiKeyPolicy, RequestStream, ServerSettings
 
@@ -55,6 +56,7 @@ class Router:
         self.settings = settings
         self.created = wire.now()
         self.draining = False
+        self.result_cache: ResultCacheFront | None = None  # set by the daemon when the cache is configured
         self.health_check: Callable[[], bool] | None = None  # set by the daemon: False -> 503
         self.observers: list[Callable[[RequestRecord], None]] = []  # e.g. metrics; called on the loop
         self.routes: dict[str, dict[str, Handler]] = {}
@@ -248,13 +250,18 @@ class Router:
         gen = wire.make_generation_request(p, prompt_ids, eid, tier, self.engine.max_model_len,
                                            st.default_max_tokens, limit, st.max_prompt_tokens)
         req.tier, req.prompt_tokens = tier, len(prompt_ids)
+        agen = await self._generation(req, gen)
+        # SLA admission (edged.scheduler.admission; the daemon sets router.admission), after the result
+        # cache (a hit needs no engine work): AdmissionError is a WireError, 429/503 with Retry-After.
+        if not req.cache_hit and (admission := getattr(self, "admission", None)) is not None:
+            admission.admit(gen)
         self._inflight.add(eid)
         try:
             async with asyncio.timeout(st.request_timeout_s) as deadline:
                 if p.stream:
-                    await self._stream(req, p, gen)
+                    await self._stream(req, p, gen, agen)
                 else:
-                    await self._collect(req, p, gen)
+                    await self._collect(req, p, gen, agen)
         except TimeoutError:
             if not deadline.expired():
                 raise
@@ -270,9 +277,23 @@ class Router:
         finally:
             self._inflight.discard(eid)
 
-    async def _collect(self, req: RequestStream, p: ParsedRequest, gen: GenerationRequest) -> None:
+    async def _generation(self, req: RequestStream, gen: GenerationRequest) -> AsyncIterator[Any]:
+        """The deltas of a request: replayed from the result cache on a hit, else from the engine
+        (recorded into the cache when the request is deterministic)."""
+        front = self.result_cache
+        if front is None:
+            return self.engine.generate(gen)
+        key, hit = await front.lookup(gen)
+        if key is None:
+            return self.engine.generate(gen)
+        req.response_headers.append(("x-edged-cache", "hit" if hit else "miss"))
+        if hit is not None:
+            req.cache_hit = True
+            return front.replay(hit)
+        return front.recording(key, self.engine.generate(gen))
+
+    async def _collect(self, req: RequestStream, p: ParsedRequest, gen: GenerationRequest, agen: Any) -> None:
         """Non-streaming: gather every delta, answer one body."""
-        agen = self.engine.generate(gen)
         texts: list[str] = []
         last = None
         try:
@@ -320,7 +341,7 @@ class Router:
             req.ttft = req.protocol._loop.time() - req.started
         req.prompt_tokens, req.completion_tokens = d.prompt_tokens, d.completion_tokens
 
-    async def _stream(self, req: RequestStream, p: ParsedRequest, gen: GenerationRequest) -> None:
+    async def _stream(self, req: RequestStream, p: ParsedRequest, gen: GenerationRequest, agen: Any) -> None:
         """Streaming: headers at once, a chunk per delta, a final chunk, optional usage, [DONE]."""
         packed = wire.wants_msgpack(req.header("accept"))
         enc = wire.msgpack_frame if packed else wire.sse_event
@@ -335,7 +356,6 @@ class Router:
         def error_event(message: str, code: str | None, type: str = "server_error") -> bytes:
             return enc(wire.error_body(message, type=type, code=code))
 
-        agen = self.engine.generate(gen)
         # Run the generator's first step before the headers go out: an engine that refuses at once
         # (admission: queue full, deadline unreachable) still gets a proper 429/503.
         first = asyncio.ensure_future(agen.__anext__())

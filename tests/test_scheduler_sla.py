@@ -1,0 +1,378 @@
+"""SLA tiers, admission control and batching: simulated clock and engine (deterministic, fast), plus
+the tiny real engine where the output must be checked token by token."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from edged.config import BatchWindow, TierConfig, default_tiers
+from edged.engine.block_manager import BlockManager
+from edged.engine.llm_engine import LLMEngine
+from edged.engine.model_runner import ModelRunner
+from edged.engine.request import GenerationRequest, SamplingParams
+from edged.engine.sequence import Sequence
+from edged.models.batch import KVCache
+from edged.scheduler.admission import AdmissionController, AdmissionError, weighted_fair_shares
+from edged.scheduler.batcher import Batcher, BatchLimits
+from edged.scheduler.simulation import SimClock, SimEngine, StepCost, Workload, capacity_rps
+from edged.scheduler.step_stats import StepModel, StepStats
+from edged.scheduler.tiers import AdaptPolicy, TierBoard
+from edged.server.openai_wire import WireError
+from engine_fixtures import collect, tiny_model
+
+LIMITS = BatchLimits(max_num_seqs=32, max_batch_tokens=512)
+COST = StepCost()
+WEIGHTS = {name: t.weight for name, t in default_tiers().items()}
+
+
+def workload(load: float, duration_s: float = 30.0, seed: int = 0, **kw) -> Workload:
+    wl = Workload(rate_rps=1.0, duration_s=duration_s, seed=seed, **kw)
+    wl.rate_rps = load * capacity_rps(COST, LIMITS, wl.mean_prompt, wl.mean_output)
+    return wl
+
+
+def no_window(weight: float, target_ms: float, max_queue: int = 100_000) -> TierConfig:
+    return TierConfig(weight, target_ms, max_queue, BatchWindow(0.0, 0.0, 0.0))
+
+
+# ------------------------------------------------------------------------------------- acceptance
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_under_3x_overload_gold_meets_its_target_and_bronze_takes_the_rejections(seed: int) -> None:
+    rep = SimEngine(limits=LIMITS, cost=COST).run(workload(3.0, seed=seed))
+    gold, silver, bronze = rep.tiers["gold"], rep.tiers["silver"], rep.tiers["bronze"]
+    assert gold.first_tokens > 500
+    assert gold.attainment >= 0.99, rep.table()
+    assert gold.first_tokens == gold.admitted  # every admitted request was served (drained)
+    # Refused early rather than missed late, lowest tier first.
+    assert bronze.rejected_total > 10 * gold.rejected_total, rep.table()
+    assert bronze.rejected_total / bronze.offered > 0.8
+    assert gold.rejected_total / gold.offered < 0.15
+    assert silver.rejected_total / silver.offered < bronze.rejected_total / bronze.offered
+    # What was admitted mostly made it, in every tier.
+    assert silver.attainment >= 0.9 and bronze.attainment >= 0.9, rep.table()
+    assert rep.max_batch <= LIMITS.max_num_seqs
+    snap = rep.snapshot
+    assert snap["bronze"]["rejected_total"] == bronze.rejected_total
+    assert snap["gold"]["ttft_count"] == gold.first_tokens
+
+
+def test_under_sustained_load_no_tier_starves_and_shares_follow_the_weights() -> None:
+    wl = workload(1.5)
+    rep = SimEngine(limits=LIMITS, cost=COST).run(wl)
+    served = {n: r.completed for n, r in rep.tiers.items()}
+    assert all(v > 0 for v in served.values()), rep.table()
+    # Compare with weighted max-min fair shares of the capacity actually delivered.
+    capacity = sum(served.values()) / wl.duration_s
+    offered = {n: r.offered / wl.duration_s for n, r in rep.tiers.items()}
+    fair = weighted_fair_shares(offered, WEIGHTS, capacity)
+    for name, r in rep.tiers.items():
+        expected = fair[name] * wl.duration_s
+        assert 0.7 * expected <= r.completed <= 1.3 * expected + 5, (name, expected, rep.table())
+        assert r.attainment >= 0.95, rep.table()
+    # Gold and silver ask for less than their share: they get all of it.
+    assert rep.tiers["gold"].rejected_total == 0 and rep.tiers["silver"].rejected_total <= 5
+
+
+def test_when_every_tier_is_backlogged_completions_follow_the_weights() -> None:
+    wl = workload(3.0, tier_mix={"gold": 1, "silver": 1, "bronze": 1}, seed=2)
+    rep = SimEngine(limits=LIMITS, cost=COST).run(wl)
+    g, s, b = (rep.tiers[n].completed for n in ("gold", "silver", "bronze"))
+    assert b > 30, rep.table()
+    assert 4 <= g / b <= 12 and 2 <= s / b <= 6, rep.table()  # weights 8 : 4 : 1
+    assert rep.tiers["gold"].attainment >= 0.99
+
+
+def test_weighted_fair_share_between_backlogged_tiers() -> None:
+    """No deadlines in play (huge targets), no admission: start counts follow the weights 8 : 4 : 1."""
+    tiers = {"gold": no_window(8, 1e9), "silver": no_window(4, 1e9), "bronze": no_window(1, 1e9)}
+    eng = SimEngine(tiers, "silver", limits=LIMITS, cost=COST, admission=False)
+    eng.run(workload(3.0, duration_s=20, tier_mix={"gold": 1, "silver": 1, "bronze": 1}, seed=4), drain=False)
+    starts = {n: 0 for n in tiers}
+    for rid in eng.start_order[LIMITS.max_num_seqs:]:  # after the batch first filled up
+        starts[rid.split("-")[0]] += 1
+    total = sum(starts.values())
+    for name, w in (("gold", 8), ("silver", 4), ("bronze", 1)):
+        assert starts[name] / total == pytest.approx(w / 13, rel=0.1), starts
+    assert eng.preemptions == 0
+
+
+def test_earliest_deadline_first_within_a_tier() -> None:
+    eng = SimEngine(limits=BatchLimits(max_num_seqs=1, max_batch_tokens=512), admission=False)
+    eng.clock.advance_to(10.0)
+    arrivals = [9.5, 9.1, 9.9, 9.3, 9.7]  # late arrivals at the engine (e.g. slow tokenization)
+    for i, t in enumerate(arrivals):
+        eng.submit(sim_request(f"silver-{i}", "silver", arrival=t, out=2))
+    while eng.batcher.has_work():
+        eng.step()
+    by_deadline = [f"silver-{i}" for i in sorted(range(len(arrivals)), key=lambda i: arrivals[i])]
+    assert eng.start_order == by_deadline
+
+
+def test_adaptive_window_shrinks_while_attainment_is_low_and_grows_with_backlog_within_bounds() -> None:
+    clock = SimClock()
+    tier = TierConfig(1.0, 100.0, 10, BatchWindow(1.0, 8.0, 40.0))
+    board = TierBoard({"t": tier}, "t", clock=clock, policy=AdaptPolicy(interval_s=0.2, window_s=30.0))
+    for _ in range(20):
+        board.record_ttft("t", 0.5, clock())  # 500 ms against a 100 ms target: attainment 0
+    windows = []
+    for _ in range(12):
+        clock.advance(0.25)
+        board.adapt(clock())
+        windows.append(board.tiers["t"].window_ms)
+    assert windows[0] < 8.0 and windows[-1] == 1.0
+    assert all(a >= b for a, b in zip(windows, windows[1:])) and min(windows) == 1.0
+    # A backlog while attainment is still low: shrinking wins.
+    for i in range(8):
+        board.note_admitted("t", f"r{i}", 10, clock())  # depth 8 > 70% of max_queue 10
+    clock.advance(0.25)
+    board.adapt(clock())
+    assert board.tiers["t"].window_ms == 1.0
+    # The misses age out of the sliding window; good TTFTs and the backlog make it grow, up to max.
+    clock.advance(31.0)
+    for _ in range(10):
+        board.record_ttft("t", 0.01, clock())
+    windows = []
+    for _ in range(20):
+        clock.advance(0.25)
+        board.adapt(clock())
+        windows.append(board.tiers["t"].window_ms)
+    assert windows[0] > 1.0 and windows[-1] == 40.0
+    assert all(a <= b for a, b in zip(windows, windows[1:])) and max(windows) == 40.0
+    snap = board.snapshot()["t"]
+    assert snap["batch_window_ms"] == 40.0 and snap["sla_attainment"] == 1.0 and snap["queue_depth"] == 8
+
+
+def test_adaptive_window_in_the_simulated_engine() -> None:
+    # Overload without admission control: attainment collapses and the windows close to their minimum.
+    tiers = {"gold": TierConfig(8.0, 500.0, 100_000, BatchWindow(0.5, 2.0, 10.0)),
+             "bronze": TierConfig(1.0, 2000.0, 100_000, BatchWindow(1.0, 20.0, 100.0))}
+    rep = SimEngine(tiers, "bronze", limits=LIMITS, cost=COST, admission=False).run(
+        workload(2.0, duration_s=10, tier_mix={"gold": 1, "bronze": 1}), drain=False)
+    for name, t in tiers.items():
+        hist = [w for _, w in rep.window_history[name]]
+        assert hist[-1] == t.batch_window_ms.min, (name, hist)
+        assert all(t.batch_window_ms.min <= w <= t.batch_window_ms.max for w in hist)
+    # A tier whose queue stays full while it meets its (loose) target widens its window to the maximum.
+    batch = {"batch": TierConfig(1.0, 600_000.0, 40, BatchWindow(0.0, 5.0, 50.0))}
+    rep = SimEngine(batch, "batch", limits=LIMITS, cost=COST).run(
+        workload(2.0, duration_s=10, tier_mix={"batch": 1}), drain=False)
+    hist = [w for _, w in rep.window_history["batch"]]
+    assert hist[-1] == 50.0 and all(a <= b for a, b in zip(hist, hist[1:])), hist
+    assert rep.tiers["batch"].rejected.get("queue_full", 0) > 0
+
+
+def test_the_batch_never_exceeds_the_cap_even_after_it_is_lowered_live() -> None:
+    eng = SimEngine(limits=BatchLimits(max_num_seqs=8, max_batch_tokens=512), cost=COST)
+    wl = workload(3.0, duration_s=20)
+    for r in wl.requests():
+        while eng.clock() < r.arrival_time and eng.batcher.has_work():
+            eng.step()  # raises if a step runs more sequences than the cap
+        eng.clock.advance_to(r.arrival_time)
+        eng.submit(r)
+        if eng.clock() > 10 and eng.limits.max_num_seqs == 8:
+            eng.batcher.reconfigure(default_tiers(), "silver", BatchLimits(max_num_seqs=3, max_batch_tokens=512))
+            eng.step()
+            assert len(eng.batcher.running) <= 3
+            assert eng.max_batch == 8
+            eng.max_batch = 0
+    assert eng.limits.max_num_seqs == 3 and 0 < eng.max_batch <= 3
+
+
+def test_simulation_is_deterministic() -> None:
+    a = SimEngine(limits=LIMITS, cost=COST).run(workload(2.0, duration_s=5, seed=7))
+    b = SimEngine(limits=LIMITS, cost=COST).run(workload(2.0, duration_s=5, seed=7))
+    assert a.table() == b.table() and a.steps == b.steps
+    assert a.tiers["gold"].ttfts == b.tiers["gold"].ttfts
+
+
+# --------------------------------------------------------------------------------- admission unit
+
+
+def sim_request(rid: str, tier: str, arrival: float = 0.0, prompt: int = 64, out: int = 16) -> GenerationRequest:
+    return GenerationRequest(rid, list(range(1, prompt + 1)), SamplingParams(max_tokens=out, ignore_eos=True),
+                             tier=tier, arrival_time=arrival)
+
+
+def test_a_full_tier_queue_gets_429_with_retry_after() -> None:
+    clock = SimClock()
+    tiers = {"gold": TierConfig(8.0, 60_000.0, 2), "bronze": TierConfig(1.0, 60_000.0, 3)}
+    batcher = Batcher(BlockManager(64, 16), BatchLimits(4, 256), tiers, "bronze", clock=clock)
+    adm = batcher.admission()
+    adm.admit(sim_request("a", "gold"))
+    adm.admit(sim_request("b", "gold"))
+    with pytest.raises(AdmissionError) as exc:
+        adm.admit(sim_request("c", "gold"))
+    e = exc.value
+    assert isinstance(e, WireError) and e.status == 429 and e.http_status == 429 and e.code == "tier_queue_full"
+    assert e.retry_after_s >= 1 and ("retry-after", str(e.retry_after)) in e.headers
+    assert e.body()["error"]["type"] == "rate_limit_error"
+    # Bronze has its own queue; a request reaching the engine moves from "admitted" into the engine queue.
+    adm.admit(sim_request("d", "bronze"))
+    batcher.add(Sequence.from_request(sim_request("a", "gold"), 0, frozenset()))
+    snap = adm.snapshot()
+    assert snap["gold"]["queue_depth"] == 2 and snap["gold"]["queued_engine"] == 1
+    assert snap["gold"]["rejected"]["queue_full"] == 1 and snap["gold"]["admitted"] == 2
+    adm.release("b")  # never reached the engine
+    adm.admit(sim_request("e", "gold"))
+
+
+def test_an_unreachable_deadline_gets_503_and_lower_tiers_are_refused_first() -> None:
+    clock = SimClock()
+    tiers = {"gold": TierConfig(8.0, 500.0, 1000), "bronze": TierConfig(1.0, 5000.0, 1000)}
+    stats = StepStats(prior=StepModel(0.05, 0.0005, 0.002))  # a slow engine: 50 ms steps and more
+    batcher = Batcher(BlockManager(4096, 16), BatchLimits(4, 256), tiers, "bronze", clock=clock, step_stats=stats)
+    adm = batcher.admission()
+    refused = {"gold": 0, "bronze": 0}
+    for i in range(300):
+        tier = "gold" if i % 4 == 0 else "bronze"
+        try:
+            adm.admit(sim_request(f"r{i}", tier, arrival=clock()))
+        except AdmissionError as e:
+            assert e.status == 503 and e.code == "deadline_unreachable" and e.reason == "deadline"
+            assert e.predicted_ttft_s > tiers[tier].ttft_target_ms / 1000 * adm.headroom
+            assert 1 <= e.retry_after <= 60
+            refused[tier] += 1
+    assert refused["bronze"] > 0 and refused["gold"] > 0
+    assert refused["bronze"] / 225 > refused["gold"] / 75  # bronze is refused at a higher rate
+
+
+def test_default_and_unknown_tiers_resolve_to_the_configured_default() -> None:
+    batcher = Batcher(BlockManager(64, 16), BatchLimits(4, 256), default_tiers(), "bronze", clock=SimClock())
+    adm = batcher.admission()
+    adm.admit(sim_request("a", "default"))
+    adm.admit(sim_request("b", "platinum"))
+    batcher.add(Sequence.from_request(sim_request("c", ""), 0, frozenset()))
+    snap = batcher.snapshot()
+    assert snap["bronze"]["admitted"] == 2 and snap["bronze"]["queue_depth"] == 3
+    assert list(snap) == ["gold", "silver", "bronze"]  # most important first
+
+
+# ------------------------------------------------------------------------- reconfiguration, hooks
+
+
+def test_reconfigure_keeps_queued_requests_in_place() -> None:
+    eng = SimEngine(limits=BatchLimits(max_num_seqs=1, max_batch_tokens=512), admission=False)
+    eng.submit(sim_request("silver-0", "silver", arrival=0.0))
+    eng.step()  # silver-0 runs and holds the only slot
+    for i, (tier, t) in enumerate([("bronze", 0.1), ("silver", 0.2), ("bronze", 0.3), ("silver", 0.4)], 1):
+        eng.submit(sim_request(f"{tier}-{i}", tier, arrival=t))
+    before = {e.request_id: e.deadline for e in eng.batcher.queues.waiting()}
+    tiers = default_tiers()
+    del tiers["bronze"]
+    tiers["silver"] = TierConfig(4.0, 100.0, 128)  # a much tighter target for new silver requests
+    eng.batcher.reconfigure(tiers, "silver", BatchLimits(max_num_seqs=2, max_batch_tokens=256))
+    after = {e.request_id: e.deadline for e in eng.batcher.queues.waiting()}
+    assert after == before  # same requests, same deadlines
+    assert [s.request_id for s in eng.batcher.waiting] == ["silver-2", "silver-4", "bronze-1", "bronze-3"]
+    assert eng.limits.max_num_seqs == 2 and eng.limits.max_batch_tokens == 256
+    eng.submit(sim_request("silver-5", "silver", arrival=eng.clock()))  # deadline now + 100 ms
+    snap = eng.batcher.snapshot()
+    assert set(snap) == {"gold", "silver"} and snap["silver"]["queue_depth"] == 5
+    assert snap["silver"]["ttft_target_ms"] == 100.0
+    while eng.batcher.has_work():
+        eng.step()
+    assert len(eng.finished) == 6 and eng.max_batch <= 2
+
+
+def test_snapshot_and_ttft_observers() -> None:
+    seen = []
+    eng = SimEngine(limits=LIMITS, cost=COST)
+    eng.batcher.board.add_ttft_observer(lambda tier, ttft, met: seen.append((tier, ttft, met)))
+    rep = eng.run(workload(0.5, duration_s=3))
+    assert len(seen) == sum(r.first_tokens for r in rep.tiers.values()) > 0
+    snap = eng.batcher.snapshot()
+    for name, s in snap.items():
+        r = rep.tiers[name]
+        assert s["ttft_count"] == r.first_tokens and s["finished"] == r.completed
+        assert s["ttft_buckets"][-1][1] == s["ttft_count"]  # cumulative, +Inf bucket last
+        assert s["queue_depth"] == 0 and s["running"] == 0
+        assert s["batch_window_min_ms"] <= s["batch_window_ms"] <= s["batch_window_max_ms"]
+        for key in ("admitted", "rejected", "sla_attainment", "started", "preempted", "ttft_recent_p99_s"):
+            assert key in s
+
+
+def test_step_stats_recover_the_step_cost_model() -> None:
+    stats = StepStats(prior=StepModel(0.1, 0.001, 0.01), forget=0.99)
+    rng = random.Random(0)
+    cost = StepCost(0.008, 0.00005, 0.00025)
+    for _ in range(400):
+        p, n = rng.choice([0, 0, 0, rng.randrange(1, 512)]), rng.randrange(1, 64)
+        stats.record_step(cost(p, n), p, n)
+    m = stats.model
+    assert m.a == pytest.approx(cost.a, rel=0.02)
+    assert m.b == pytest.approx(cost.b, rel=0.02)
+    assert m.c == pytest.approx(cost.c, rel=0.02)
+
+
+# ----------------------------------------------------------------------------- the real tiny engine
+
+TIERS = {"gold": TierConfig(8.0, 0.001, 64, BatchWindow(0.0, 0.0, 0.0)),  # always urgent
+         "bronze": TierConfig(1.0, 1e9, 64, BatchWindow(0.0, 0.0, 0.0))}
+
+
+def tiered_engine(max_num_seqs: int = 16, num_blocks: int = 64, block_size: int = 4,
+                  max_batch_tokens: int = 64) -> LLMEngine:
+    model = tiny_model()
+    c = model.config
+    kv = KVCache.allocate(c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim, torch.float32, "cpu")
+    blocks = BlockManager(num_blocks, block_size)
+    batcher = Batcher(blocks, BatchLimits(max_num_seqs, max_batch_tokens), TIERS, "bronze")
+    return LLMEngine(ModelRunner(model, kv), blocks, batcher, c.max_position_embeddings, [], lambda _: None)
+
+
+def tier_request(rid: str, tier: str, prompt: list[int], max_tokens: int = 14, **sampling) -> GenerationRequest:
+    sampling.setdefault("temperature", 0.0)
+    return GenerationRequest(rid, prompt, SamplingParams(max_tokens=max_tokens, **sampling), tier=tier)
+
+
+def drive(engine: LLMEngine, schedule: dict[int, list[GenerationRequest]], max_steps: int = 500) -> dict[str, list[int]]:
+    """Step the engine, admitting schedule[k] before step k; collect every request's tokens."""
+    reqs = [r for rs in schedule.values() for r in rs]
+    out: dict[str, list[int]] = {r.request_id: [] for r in reqs}
+    done: set[str] = set()
+    for k in range(max_steps):
+        for r in schedule.get(k, []):
+            engine._admit(r)
+        if len(done) == len(reqs):
+            return out
+        for o in engine.step():
+            collect(out, done, o)
+    raise AssertionError("engine did not finish")
+
+
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.8, "top_p": 0.9, "seed": 77}])
+def test_a_bronze_request_preempted_for_gold_finishes_with_the_same_output(sampling: dict) -> None:
+    rng = random.Random(21)
+    bp = [rng.randrange(256) for _ in range(11)]
+    gp = [rng.randrange(256) for _ in range(7)]
+    alone_b = drive(tiered_engine(), {0: [tier_request("b", "bronze", bp, **sampling)]})["b"]
+    alone_g = drive(tiered_engine(), {0: [tier_request("g", "gold", gp, **sampling)]})["g"]
+    engine = tiered_engine(max_num_seqs=1)  # one slot: gold can only run if bronze gives way
+    out = drive(engine, {0: [tier_request("b", "bronze", bp, **sampling)],
+                         5: [tier_request("g", "gold", gp, **sampling)]})
+    assert engine.counters.preemptions >= 1
+    assert engine.batcher.snapshot()["bronze"]["preempted"] >= 1
+    assert out["b"] == alone_b and len(alone_b) == 14
+    assert out["g"] == alone_g
+
+
+def test_the_real_engine_never_runs_a_batch_above_its_cap() -> None:
+    engine = tiered_engine(max_num_seqs=3)
+    sizes = []
+    execute = engine.runner.execute
+
+    def spy(plan):
+        sizes.append(len(plan.chunks))
+        return execute(plan)
+
+    engine.runner.execute = spy
+    rng = random.Random(5)
+    reqs = [tier_request(f"r{i}", "gold" if i % 3 == 0 else "bronze",
+                         [rng.randrange(256) for _ in range(rng.randrange(3, 20))], max_tokens=6) for i in range(10)]
+    out = drive(engine, {0: reqs[:5], 3: reqs[5:]})
+    assert all(len(v) == 6 for v in out.values())
+    assert max(sizes) == 3
