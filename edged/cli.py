@@ -47,6 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Validate config.yaml with the same messages a live reload logs.")
     check.add_argument("file", help="the config file")
 
+    hk = sub.add_parser("hash-key", help="print the sha256 of an API key for auth.keys[].sha256",
+                        description="Read an API key from standard input (or the argument) and print the "
+                                    "sha256 hex digest that config.yaml stores instead of the key.")
+    hk.add_argument("key", nargs="?", help="the key (default: read one line from standard input)")
+
     models = sub.add_parser("models", help="show the model the daemon would load",
                             description="Print the configured (or embedded default) model and its shape.")
     models.add_argument("--config", help="config.yaml")
@@ -93,6 +98,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "check-config":
         from edged.config import run_check_config
         return run_check_config(args.file)
+    if args.command == "hash-key":
+        from edged.config import hash_api_key
+        key = args.key if args.key is not None else sys.stdin.readline().rstrip("\n")
+        if not key:
+            print("edged hash-key: empty key", file=sys.stderr)
+            return 2
+        print(hash_api_key(key))
+        return 0
     if args.command == "models":
         from edged.daemon import run_models_command
         return run_models_command(args)

@@ -85,7 +85,7 @@ class Daemon:
             pass
 
     async def run(self) -> int:
-        from edged.models.loader import load_model
+        from edged.models.loader import load_model, with_overrides
         from edged.server.h3_server import serve
         from edged.server.tls import ensure_cert
 
@@ -95,6 +95,7 @@ class Daemon:
         self.notifier.status("loading model")
         start = time.monotonic()
         loaded = await asyncio.to_thread(load_model, cfg.model.path)
+        loaded = with_overrides(loaded, cfg.model.served_name, cfg.model.tokenizer, cfg.model.chat_template)
         settings = EngineSettings.from_config(cfg.model, cfg.cache.prefix_cache)
         self.engine = engine = await asyncio.to_thread(build_engine, loaded, settings)
         engine.start()

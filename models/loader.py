@@ -41,3 +41,18 @@ def load_model(path: str | Path | None = None) -> LoadedModel:
     if path.is_dir():
         raise ValueError(f"model directory {path} has no config.json (expected a Hugging Face model directory)")
     raise ValueError(f"model path {path} is neither a .gguf file nor a Hugging Face model directory")
+
+
+def with_overrides(loaded: LoadedModel, served_name: str | None = None, tokenizer_path: str | Path | None = None,
+                   chat_template_path: str | Path | None = None) -> LoadedModel:
+    """Apply the config's model.served_name / model.tokenizer / model.chat_template to a loaded model."""
+    if tokenizer_path is not None:
+        old = loaded.tokenizer
+        loaded.tokenizer = Tokenizer.from_file(tokenizer_path, old.bos_token_id, old.eos_token_ids)
+    if chat_template_path is not None:
+        tok = loaded.tokenizer
+        loaded.chat_template = ChatTemplate(Path(chat_template_path).read_text(encoding="utf-8"), tok.bos_token,
+                                            tok.eos_token)
+    if served_name:
+        loaded.model_id = served_name
+    return loaded

@@ -156,3 +156,46 @@ def test_sigterm_during_16_live_streams_ends_each_with_its_answer_or_a_final_err
         assert complete >= 8 and errored >= 1
     finally:
         d.stop(signal.SIGKILL)
+
+
+def test_api_keys_are_checked_by_hash_and_rate_limited_per_key(tmp_path: Path) -> None:
+    from edged.config import hash_api_key
+
+    config = f"""
+auth:
+  enabled: true
+  keys:
+    - name: ops
+      sha256: {hash_api_key("ops-secret")}
+      tier: gold
+    - name: kiosk
+      sha256: {hash_api_key("kiosk-secret")}
+      tier: bronze
+      rate_limit_rps: 0.2
+      burst: 1
+"""
+    d = start_daemon(tmp_path, config)
+    assert "ops-secret" not in (d.config_path.read_text() if d.config_path else "")
+    try:
+        async def main() -> None:
+            async with H3Client("127.0.0.1", d.port, ca_file=d.ca_file) as c:
+                hdr = {"content-type": "application/json"}
+                small = chat(4).replace(b'"stream": true', b'"stream": false')
+                r = await c.request("POST", "/v1/chat/completions", hdr, small)
+                assert r.status == 401 and r.json()["error"]["code"] == "invalid_api_key"
+                r = await c.request("POST", "/v1/chat/completions", {**hdr, "authorization": "Bearer nope"}, small)
+                assert r.status == 401
+                r = await c.request("POST", "/v1/chat/completions", {**hdr, "authorization": "Bearer ops-secret"},
+                                    small)
+                assert r.status == 200, r.text
+                kiosk = {**hdr, "authorization": "Bearer kiosk-secret"}
+                assert (await c.request("POST", "/v1/chat/completions", kiosk, small)).status == 200
+                r = await c.request("POST", "/v1/chat/completions", kiosk, small)
+                assert r.status == 429 and int(r.headers["retry-after"]) >= 1
+                assert (await c.request("GET", "/healthz")).status == 200  # public
+                text = (await c.request("GET", "/metrics")).text  # loopback: no key needed
+                assert metric_value(text, "edged_requests_total", {"tier": "gold"}) is not None
+
+        asyncio.run(main())
+    finally:
+        assert d.stop() == 0

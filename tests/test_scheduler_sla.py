@@ -14,7 +14,7 @@ from edged.engine.model_runner import ModelRunner
 from edged.engine.request import GenerationRequest, SamplingParams
 from edged.engine.sequence import Sequence
 from edged.models.batch import KVCache
-from edged.scheduler.admission import AdmissionController, AdmissionError, weighted_fair_shares
+from edged.scheduler.admission import AdmissionError, weighted_fair_shares
 from edged.scheduler.batcher import Batcher, BatchLimits
 from edged.scheduler.simulation import SimClock, SimEngine, StepCost, Workload, capacity_rps
 from edged.scheduler.step_stats import StepModel, StepStats
@@ -329,7 +329,8 @@ def tier_request(rid: str, tier: str, prompt: list[int], max_tokens: int = 14, *
     return GenerationRequest(rid, prompt, SamplingParams(max_tokens=max_tokens, **sampling), tier=tier)
 
 
-def drive(engine: LLMEngine, schedule: dict[int, list[GenerationRequest]], max_steps: int = 500) -> dict[str, list[int]]:
+def drive(engine: LLMEngine, schedule: dict[int, list[GenerationRequest]],
+          max_steps: int = 500) -> dict[str, list[int]]:
     """Step the engine, admitting schedule[k] before step k; collect every request's tokens."""
     reqs = [r for rs in schedule.values() for r in rs]
     out: dict[str, list[int]] = {r.request_id: [] for r in reqs}
@@ -376,3 +377,42 @@ def test_the_real_engine_never_runs_a_batch_above_its_cap() -> None:
     out = drive(engine, {0: reqs[:5], 3: reqs[5:]})
     assert all(len(v) == 6 for v in out.values())
     assert max(sizes) == 3
+
+
+# ------------------------------------------------------------------------------- through the routes
+
+
+def test_routes_answer_admission_refusals_with_429_and_503_and_retry_after(tmp_path) -> None:
+    import asyncio
+    import json
+
+    from conftest_server import FakeEngine, ServerThread
+    from edged.server.h3_client import H3Client
+    from edged.server.h3_server import ServerSettings
+    from edged.server.tls import ensure_cert
+
+    tiers = {"gold": TierConfig(8.0, 60_000.0, 1), "bronze": TierConfig(1.0, 1.0, 100)}
+    stats = StepStats(prior=StepModel(0.05, 0.001, 0.002))  # 1 ms bronze target: unreachable
+    batcher = Batcher(BlockManager(64, 16), BatchLimits(4, 256), tiers, "gold", step_stats=stats)
+    certs = ensure_cert(tmp_path)
+    settings = ServerSettings(tiers=tuple(tiers), default_tier="gold")
+    with ServerThread(FakeEngine(), *certs, settings=settings) as st:
+        st.server.router.admission = batcher.admission()
+
+        async def go() -> list:
+            out = []
+            async with H3Client("127.0.0.1", st.port, ca_file=certs[0]) as c:
+                for tier in ("gold", "gold", "bronze"):
+                    data = json.dumps({"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]})
+                    r = await c.request("POST", "/v1/chat/completions",
+                                        {"content-type": "application/json", "x-edged-tier": tier}, data.encode(),
+                                        timeout=10)
+                    out.append((r.status, r.headers.get("retry-after"), r.json()))
+            return out
+
+        first, full, late = asyncio.run(asyncio.wait_for(go(), 20))
+    assert first[0] == 200  # the fake engine never reports back, so gold's one queue place stays taken
+    assert full[0] == 429 and int(full[1]) >= 1 and full[2]["error"]["code"] == "tier_queue_full"
+    assert late[0] == 503 and int(late[1]) >= 1 and late[2]["error"]["code"] == "deadline_unreachable"
+    snap = batcher.snapshot()
+    assert snap["gold"]["rejected"]["queue_full"] == 1 and snap["bronze"]["rejected"]["deadline"] == 1

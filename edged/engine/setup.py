@@ -28,6 +28,7 @@ CPU_KV_BUDGET_BYTES = 768 << 20  # the CPU path shares RAM with everything else 
 @dataclass(slots=True)
 class EngineSettings:
     quant: str = "auto"
+    group_size: int = 64  # w4 groups when edged quantizes (GGUF Q4 keeps its 32)
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
     max_model_len: int | None = None
@@ -82,7 +83,7 @@ def build_engine(loaded: LoadedModel, settings: EngineSettings) -> AsyncEngine:
         torch.set_num_threads(max(1, psutil.cpu_count(logical=False) or 1))
     cfg = loaded.config
     max_model_len = min(settings.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-    weights = build_weights(loaded.named_weights, cfg, settings.quant, dtype, device)
+    weights = build_weights(loaded.named_weights, cfg, settings.quant, dtype, device, settings.group_size)
     model = LlamaModel(cfg, weights, max_model_len)
     int8_kv = settings.kv_cache_dtype == "int8"
     probe = KVCache.allocate(cfg.num_layers, 1, settings.block_size, cfg.num_kv_heads, cfg.head_dim, dtype,

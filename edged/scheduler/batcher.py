@@ -4,13 +4,16 @@ Each step, in this order, within the batch cap (`max_num_seqs`, PCIe-derived), t
 budget and the free KV blocks:
 
 1. every running sequence that is decoding gets its one token (most important tier first);
-2. waiting sequences about to miss their TTFT target start, preempting running sequences of
-   *lower* tiers if slots or blocks are short;
+2. waiting sequences about to miss their TTFT target ("urgent": a quarter of the target left, or
+   less than the time to prefill their tier's queue) start, preempting running sequences of
+   *lower* tiers if slots or blocks are short (a free slot goes to an urgent request only if no
+   more important tier is waiting for it);
 3. running sequences still prefilling get their next prompt chunk (chunked prefill: a long prompt
    never stalls the decodes of step 1);
 4. other waiting sequences start in weighted-fair order between tiers, earliest deadline first
-   within a tier (see tiers.py). A tier's new requests may be held for its batch window while
-   other work runs, so that they start together rather than one prefill per step.
+   within a tier (see tiers.py). While other work runs, a tier's new requests may be held for its
+   batch window so that they start together rather than one prefill per step (never when the
+   engine is idle, or once the held requests fill the free slots or the token budget).
 
 Preemption is by recompute: the victim's blocks are released and it is queued again with its
 original deadline; recomputing its prompt and generated tokens leaves its output unchanged. When

@@ -10,11 +10,15 @@ attainment and the current batch window. Every method takes its lock.
 
 `TierScheduler` belongs to the engine thread. It keeps the waiting sequences of each tier in a
 heap ordered by deadline (arrival + the tier's TTFT target; a preempted sequence keeps its original
-deadline, so it resumes first), and picks the next sequence to start: a tier's head that is about
-to miss its target first (highest tier first), otherwise the tier with the least virtual time.
+deadline, so it resumes first) and offers two candidates to start: the weighted-fair choice (the
+head of the tier with the least virtual time) and the most important urgent head (one about to
+miss its target); the batcher takes the urgent one only if its tier is at least as important.
 Starting a sequence charges its tier 1/weight of virtual time, so backlogged tiers start requests
 in proportion to their weights; a tier that was idle re-enters at the current virtual clock rather
-than with banked credit.
+than with banked credit; a higher tier that preempts a lower one pays for the victim's restart.
+
+Attainment is the fraction of first tokens within the target over the last `AdaptPolicy.window_s`
+seconds, counting requests still waiting past their deadline as misses.
 """
 from __future__ import annotations
 
