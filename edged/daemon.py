@@ -63,6 +63,9 @@ class Daemon:
         self.server = None
         self.result_cache = None
         self.metrics = EdgedMetrics()
+        self.topology_cap: int | None = None
+        self.pinned_cpus: list[int] = []
+        self.transfer_budget: int | None = None
         self._stop = asyncio.Event()
         self._config_mtime = self._mtime()
 
@@ -71,6 +74,11 @@ class Daemon:
             return os.stat(self.config_path).st_mtime if self.config_path else None
         except OSError:
             return None
+
+    def _pin_engine_thread(self) -> None:
+        if self.pinned_cpus:
+            from edged.scheduler.topology import pin_engine_thread
+            pin_engine_thread(self.pinned_cpus)
 
     def engine_alive(self) -> bool:
         e = self.engine
@@ -98,7 +106,9 @@ class Daemon:
         loaded = with_overrides(loaded, cfg.model.served_name, cfg.model.tokenizer, cfg.model.chat_template)
         settings = EngineSettings.from_config(cfg.model, cfg.cache.prefix_cache)
         self.engine = engine = await asyncio.to_thread(build_engine, loaded, settings)
-        engine.start()
+        self._topology(cfg)
+        self._scheduler_config(cfg)
+        engine.start(self._pin_engine_thread)
         self.notifier.status("warming up")
         await self.warm_up(engine)
         Path(cfg.server.state_dir).mkdir(parents=True, exist_ok=True)
@@ -140,6 +150,7 @@ class Daemon:
     def _mount(self, router) -> None:
         """Health, metrics and the result cache on the server's router."""
         router.health_check = self.engine_alive
+        router.admission = self.engine.engine.batcher.admission()
         router.result_cache = self.cache_front
         router.observers.append(self._observe)
         router.add("GET", "/metrics", self._metrics_route, public=True)
@@ -149,6 +160,7 @@ class Daemon:
         src.result_cache = lambda: self.result_cache
         src.gpu_memory = gpu_memory
         src.config = lambda: self.config
+        src.tier_snapshot = self.engine.engine.batcher.snapshot
 
     def _observe(self, rec) -> None:
         m, tier = self.metrics, rec.tier or "none"
@@ -206,14 +218,42 @@ class Daemon:
         if self.server is not None:
             self.server.settings = server_settings(new)
         if self.engine is not None:
-            limits = self.engine.engine.batcher.limits
-            self.engine.engine.call(lambda: self._apply_batch_limits(limits, new))
+            self.engine.engine.call(lambda: self._scheduler_config(new))
         self.notifier.ready(f"serving {self.engine.model_id if self.engine else '?'} on {new.server.listen} (h3)")
 
-    @staticmethod
-    def _apply_batch_limits(limits, config: Config) -> None:
-        limits.max_num_seqs = config.scheduler.batch_cap or config.model.max_num_seqs
-        limits.max_batch_tokens = config.scheduler.step_token_budget or config.model.max_batch_tokens
+    def batch_limits(self, config: Config):
+        """The engine's per-step limits: the batch cap never exceeds what the PCIe topology allows
+        unless the config overrides it, nor model.max_num_seqs (the CUDA graphs' largest batch)."""
+        from edged.scheduler.batcher import BatchLimits
+
+        cap = config.scheduler.batch_cap or self.topology_cap or config.model.max_num_seqs
+        return BatchLimits(min(cap, config.model.max_num_seqs),
+                           config.scheduler.step_token_budget or config.model.max_batch_tokens)
+
+    def _scheduler_config(self, config: Config) -> None:
+        """Tiers, default tier, limits and preemption into the batcher (engine thread or before start)."""
+        self.engine.engine.batcher.reconfigure(config.tiers, config.scheduler.default_tier,
+                                               self.batch_limits(config), preemption=config.scheduler.preemption)
+
+    def _topology(self, config: Config) -> None:
+        """On a GPU node: batch cap and per-step PCIe budget from the topology; the engine thread
+        pinned to the GPU's local CPUs."""
+        import torch
+
+        self.topology_cap = None
+        self.pinned_cpus: list[int] = []
+        if self.engine is None or self.engine.engine.runner.device.type != "cuda":
+            return
+        from edged.scheduler.topology import plan
+
+        topo, limits = plan(device_index=torch.cuda.current_device(), batch_cap_override=config.scheduler.batch_cap)
+        self.topology_cap = limits.batch_cap
+        self.transfer_budget = limits.step_transfer_budget_bytes
+        if config.scheduler.pin_threads:
+            self.pinned_cpus = limits.pinned_cpus
+        log.info("topology %s", fields(bus=topo.bus_id, hops=topo.hops, gen=topo.link_gen, width=topo.link_width,
+                                       batch_cap=limits.batch_cap, step_budget_mb=limits.step_transfer_budget_bytes >> 20,
+                                       cpus=len(self.pinned_cpus)))
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, str | None]:

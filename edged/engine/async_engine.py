@@ -4,7 +4,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from edged.log import fields
 from edged.models.chat_template import ChatTemplate
@@ -39,10 +39,11 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         engine.on_outputs = self._from_engine_thread
 
-    def start(self) -> None:
+    def start(self, on_thread_start: Callable[[], None] | None = None) -> None:
+        """Bind to the running event loop and start the engine thread (on_thread_start runs on it)."""
         self._loop = asyncio.get_running_loop()
         if not self.engine.is_alive():
-            self.engine.start()
+            self.engine.start(on_thread_start)
 
     def _from_engine_thread(self, outputs: list[StepOutput]) -> None:
         loop = self._loop

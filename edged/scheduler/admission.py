@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
 import time
 from collections.abc import Callable
 
@@ -80,7 +79,8 @@ class AdmissionError(WireError):
 
 
 class AdmissionController:
-    """Thread-safe; `admit` is cheap (a few dozen arithmetic operations under the board's lock).
+    """Thread-safe (everything runs under the board's lock); `admit` costs a few dozen arithmetic
+    operations per tier.
 
     headroom: admit while the queue-drain estimate of TTFT is <= headroom * target. The estimate is a
     mean; 0.7 keeps the tail inside the target in the simulated overload tests (a firm preemption
@@ -104,7 +104,6 @@ class AdmissionController:
         self.max_retry_after_s = max_retry_after_s
         self.enabled = enabled
         self._last_expiry = -math.inf
-        self._lock = threading.Lock()
 
     @classmethod
     def for_batcher(cls, batcher, **kwargs) -> "AdmissionController":
@@ -207,7 +206,7 @@ class AdmissionController:
                 ahead += n
                 ahead_tokens += n * (st.waiting_tokens + sum(t for _, t in st.pending.values())) / depth
         free = max(0, slots - running)
-        slot_s = stats.mean_service_s(max(running, min(slots, running + int(ahead) + 1)))
+        slot_s = max(1e-6, stats.mean_service_s(max(running, min(slots, running + int(ahead) + 1))))
         capacity = slots / slot_s  # starts per second with the batch full
         # How fast my tier's queue drains: its weighted fair share of the slots, or what was measured
         # while it was backlogged if that is less (preemption, recompute, a slower phase).

@@ -106,6 +106,7 @@ class Batcher:
         self.max_batch_seen = 0  # the largest batch any step ran (tests: never above the cap)
         self.steps_planned = 0
         self._rejects: list[Sequence] = []
+        self._admissions: list = []  # AdmissionControllers made by admission(), kept in step on reconfigure
         self._last_adapt = float("-inf")
         # per-schedule state
         self._plan = StepPlan()
@@ -395,18 +396,28 @@ class Batcher:
             self.board.adapt(now, self.queues.overdue(now), self.queues.backlog_rates())
 
     # --- live reconfiguration and metrics ---
-    def reconfigure(self, tiers: dict[str, TierConfig], default_tier: str, limits: BatchLimits | None = None) -> None:
-        """Apply reloaded tier configs and limits (engine thread, between steps: `LLMEngine.call`).
-        Queued requests keep their deadlines and places; tiers that disappear hand their queue to
-        the default tier; a lowered batch cap takes effect at the next step."""
+    def reconfigure(self, tiers: dict[str, TierConfig], default_tier: str, limits: BatchLimits | None = None,
+                    preemption: str | None = None) -> None:
+        """Apply reloaded tier configs, limits and preemption mode (engine thread, between steps:
+        `LLMEngine.call`; or before the engine starts). Queued requests keep their deadlines and
+        places; tiers that disappear hand their queue to the default tier; a tier that stays keeps
+        its counters and current batch window (clamped to the new bounds); a lowered batch cap takes
+        effect at the next step. An AdmissionController made by `admission()` sees it all at once."""
         removed = self.board.reconfigure(tiers, default_tier)
         self.queues.reconfigure(removed)
         if limits is not None:
             self.limits.max_num_seqs = limits.max_num_seqs
             self.limits.max_batch_tokens = limits.max_batch_tokens
+        if preemption is not None and preemption != self.preemption:
+            if preemption == "swap":
+                log.warning("scheduler.preemption=swap is not implemented yet; preempting by recompute")
+            self.preemption = preemption
+            for adm in self._admissions:
+                adm.preemption = preemption != "off"
         log.info("scheduler reconfigured %s", fields(
             tiers=",".join(self.board.names()), default_tier=default_tier, removed=",".join(removed) or "-",
-            max_num_seqs=self.limits.max_num_seqs, max_batch_tokens=self.limits.max_batch_tokens))
+            max_num_seqs=self.limits.max_num_seqs, max_batch_tokens=self.limits.max_batch_tokens,
+            preemption=self.preemption))
 
     def snapshot(self) -> dict[str, dict]:
         return self.board.snapshot()
@@ -416,4 +427,6 @@ class Batcher:
         settings (for the event loop: `router.admission = batcher.admission()`)."""
         from .admission import AdmissionController
 
-        return AdmissionController.for_batcher(self, **kwargs)
+        adm = AdmissionController.for_batcher(self, **kwargs)
+        self._admissions.append(adm)
+        return adm

@@ -5,7 +5,8 @@ windows), the real `BlockManager` and the real `AdmissionController` exactly as 
 and the event loop do, but a step costs `a + b * prefill_tokens + c * batch_size` seconds of
 simulated time and every sampled token is 0. `Workload` makes seeded Poisson arrivals with a tier
 mix and uniform prompt/output lengths. Same seed, same result, in well under a second per simulated
-minute; the SLA tests and `edged bench` use it to explore the scheduler under load.
+minute: tests/test_scheduler_sla.py proves the SLA behaviour with it, and it is handy for tuning
+(`SimEngine(...).run(Workload(rate_rps=...)).table()`).
 """
 from __future__ import annotations
 

@@ -95,7 +95,9 @@ class StepStats:
             return
         with self._lock:
             self._finished += 1
-            w = max(self.ewma, 1.0 / self._finished)  # plain mean until the EWMA has enough samples
+            # A plain mean (the prior counting as one sample) until the EWMA has enough samples, so a
+            # single short warm-up request does not set the figure alone.
+            w = max(self.ewma, 1.0 / (self._finished + 1))
             self._mean_output += w * (generated_tokens - self._mean_output)
             if slot_s is not None and math.isfinite(slot_s) and slot_s >= 0:
                 self._slot_n += 1

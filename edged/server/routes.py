@@ -22,6 +22,7 @@ from edged.server.openai_wire import ParsedRequest, WireError
 
 if TYPE_CHECKING:
     from edged.cache.result_front import ResultCacheFront
+    from edged.scheduler.admission import AdmissionController
     from edged.engine.request import GenerationRequest
     from edged.server.h3_server import ApiKeyPolicy, RequestStream, ServerSettings
 
@@ -57,6 +58,7 @@ class Router:
         self.created = wire.now()
         self.draining = False
         self.result_cache: ResultCacheFront | None = None  # set by the daemon when the cache is configured
+        self.admission: AdmissionController | None = None  # set by the daemon: SLA admission control
         self.health_check: Callable[[], bool] | None = None  # set by the daemon: False -> 503
         self.observers: list[Callable[[RequestRecord], None]] = []  # e.g. metrics; called on the loop
         self.routes: dict[str, dict[str, Handler]] = {}
@@ -253,7 +255,7 @@ class Router:
         agen = await self._generation(req, gen)
         # SLA admission (edged.scheduler.admission; the daemon sets router.admission), after the result
         # cache (a hit needs no engine work): AdmissionError is a WireError, 429/503 with Retry-After.
-        if not req.cache_hit and (admission := getattr(self, "admission", None)) is not None:
+        if not req.cache_hit and (admission := self.admission) is not None:
             admission.admit(gen)
         self._inflight.add(eid)
         try:
