@@ -1,11 +1,11 @@
 """`linear` on the GPU: y = x @ W^T + b for dense, w8 and w4 weights, dequantizing inside the loop.
 
 Paths, by the number of rows M of x:
-- M == 1 (decode of one sequence): a GEMV that streams BLOCK_N weight rows per program, optionally
-  split over K (partials in float32, summed by a small reduce kernel; deterministic, no atomics).
-  This is the memory-bound path that must run at DRAM bandwidth.
-- M > 1: a tiled tl.dot kernel with dequantization in the loop, split over K while the output tiles
-  alone cannot fill the GPU (decode batches). Dense weights at large M go to cuBLAS (torch).
+- M == 1 (decode of one sequence): a GEMV; each program streams up to 4 weight rows against one x
+  tile, optionally split over K (partials in float32, summed by a small reduce kernel:
+  deterministic, no atomics). This is the memory-bound path that must run at DRAM bandwidth.
+- M > 1, w8 / w4: a tiled tl.dot kernel with dequantization in the loop, split over K while the
+  output tiles alone cannot fill the GPU (decode batches). Dense weights from M = 2 on go to cuBLAS.
 
 w4 columns are never interleaved in registers: byte j of a row holds columns 2j (low nibble) and
 2j+1 (high nibble), so the kernels multiply the low nibbles with x[0::2] and the high ones with
@@ -27,46 +27,85 @@ _FORMATS = {"dense": 0, "w8": 1, "w4": 2}
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, part_ptr, N, K, k_per_split, stride_wn,
-                 FORMAT: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr):
-    """One row of x against dense or w8 weights; program (n tile, k split).
-    Tiles are [BLOCK_N, BLOCK_K // VEC, VEC]: a thread owns VEC consecutive columns (one 16-byte load)
-    and sums them in registers every step, so the accumulator is small and many programs fit an SM.
-    x is loaded as a broadcast tile in the weights' layout (no shared-memory shuffles)."""
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ld = tl.minimum(n, N - 1)  # clamp instead of masking: the loop's loads stay unpredicated
-    rows = w_ptr + n_ld.to(tl.int64)[:, None, None] * stride_wn
-    col = tl.arange(0, BLOCK_K // VEC)[:, None] * VEC + tl.arange(0, VEC)[None, :]
-    zero = 0 * n[:, None, None]
-    k_lo = pid_k * k_per_split
-    k_hi = tl.minimum(k_lo + k_per_split, K)
-    acc = tl.zeros([BLOCK_N, BLOCK_K // VEC], dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        k = (k0 + col)[None, :, :]
-        if EVEN_K:
-            xv = tl.load(x_ptr + k + zero).to(tl.float32)
-            wv = tl.load(rows + k, eviction_policy="evict_first")
-        else:
-            km = k < k_hi
-            xv = tl.load(x_ptr + k + zero, mask=km, other=0.0).to(tl.float32)
-            wv = tl.load(rows + k, mask=km, other=0, eviction_policy="evict_first")
-        if FORMAT == 1:
-            wf = i8_to_f32(wv)
-        else:
-            wf = wv.to(tl.float32)
-        acc += tl.sum(wf * xv, axis=2)
-    y = tl.sum(acc, axis=1)
-    if FORMAT == 1:
+def _rows_result(y0, y1, y2, y3):
+    """The ROWS (<= 4) row results as one vector, for a masked vector store."""
+    r = tl.arange(0, 4)
+    y = tl.where(r == 0, y0, 0.0)
+    y = tl.where(r == 1, y1, y)
+    y = tl.where(r == 2, y2, y)
+    return tl.where(r == 3, y3, y)
+
+
+@triton.jit
+def _gemv_store(y, n, N, pid_k, scale_ptr, bias_ptr, out_ptr, part_ptr,
+                W8: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
+    mask = n < N
+    n_ld = tl.minimum(n, N - 1)
+    if W8:
         y = y * tl.load(scale_ptr + n_ld).to(tl.float32)
     if SPLIT:
-        tl.store(part_ptr + pid_k * N + n, y, mask=n < N)
+        tl.store(part_ptr + pid_k * N + n, y, mask=mask)
     else:
         if HAS_BIAS:
             y += tl.load(bias_ptr + n_ld).to(tl.float32)
-        tl.store(out_ptr + n, y.to(out_ptr.dtype.element_ty), mask=n < N)
+        tl.store(out_ptr + n, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _dot_row(acc, row_ptr, k, xv, km, FORMAT: tl.constexpr, EVEN_K: tl.constexpr):
+    if EVEN_K:
+        wv = tl.load(row_ptr + k, eviction_policy="evict_first")
+    else:
+        wv = tl.load(row_ptr + k, mask=km, other=0, eviction_policy="evict_first")
+    if FORMAT == 1:
+        wf = i8_to_f32(wv)
+    else:
+        wf = wv.to(tl.float32)
+    return acc + wf * xv
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, part_ptr, N, K, k_per_split, stride_wn,
+                 FORMAT: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
+                 ROWS: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr):
+    """One row of x against ROWS (1, 2 or 4) rows of dense or w8 weights; program (row block, k split).
+    Each step loads one [BLOCK_K // VEC, VEC] tile of x (a thread owns VEC consecutive columns, one
+    16-byte weight load) and uses it for every weight row: x is read and converted once per ROWS
+    rows, all tiles share one layout (no shuffles), and each thread keeps ROWS independent loads in
+    flight. Accumulation is elementwise; the reduction happens once at the end."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    n0 = pid_n * ROWS
+    # rows past N are clamped to N - 1 (valid loads) and masked at the store
+    r0 = w_ptr + tl.minimum(n0, N - 1).to(tl.int64) * stride_wn
+    r1 = w_ptr + tl.minimum(n0 + 1, N - 1).to(tl.int64) * stride_wn
+    r2 = w_ptr + tl.minimum(n0 + 2, N - 1).to(tl.int64) * stride_wn
+    r3 = w_ptr + tl.minimum(n0 + 3, N - 1).to(tl.int64) * stride_wn
+    col = tl.arange(0, BLOCK_K // VEC)[:, None] * VEC + tl.arange(0, VEC)[None, :]
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    a0 = tl.zeros([BLOCK_K // VEC, VEC], dtype=tl.float32)
+    a1 = tl.zeros([BLOCK_K // VEC, VEC], dtype=tl.float32)
+    a2 = tl.zeros([BLOCK_K // VEC, VEC], dtype=tl.float32)
+    a3 = tl.zeros([BLOCK_K // VEC, VEC], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        k = k0 + col
+        km = k < k_hi
+        if EVEN_K:
+            xv = tl.load(x_ptr + k).to(tl.float32)
+        else:
+            xv = tl.load(x_ptr + k, mask=km, other=0.0).to(tl.float32)
+        a0 = _dot_row(a0, r0, k, xv, km, FORMAT, EVEN_K)
+        if ROWS > 1:
+            a1 = _dot_row(a1, r1, k, xv, km, FORMAT, EVEN_K)
+        if ROWS > 2:
+            a2 = _dot_row(a2, r2, k, xv, km, FORMAT, EVEN_K)
+            a3 = _dot_row(a3, r3, k, xv, km, FORMAT, EVEN_K)
+    y = _rows_result(tl.sum(tl.sum(a0, axis=1), axis=0), tl.sum(tl.sum(a1, axis=1), axis=0),
+                     tl.sum(tl.sum(a2, axis=1), axis=0), tl.sum(tl.sum(a3, axis=1), axis=0))
+    n = n0 + tl.arange(0, 4)
+    _gemv_store(y, tl.where(tl.arange(0, 4) < ROWS, n, N), N, pid_k, scale_ptr, bias_ptr, out_ptr, part_ptr,
+                FORMAT == 1, HAS_BIAS, SPLIT)
 
 
 @triton.jit
@@ -88,57 +127,72 @@ def _x_pairs(v, X_KIND: tl.constexpr):
 
 
 @triton.jit
+def _dot_row_w4(acc, row_ptr, s_row_ptr, m_row_ptr, byte, grp, xe, xo, cm, EVEN_K: tl.constexpr):
+    if EVEN_K:
+        b = tl.load(row_ptr + byte, eviction_policy="evict_first")
+        s = tl.load(s_row_ptr + grp).to(tl.float32)
+        mn = tl.load(m_row_ptr + grp).to(tl.float32)
+    else:
+        b = tl.load(row_ptr + byte, mask=cm[:, None], other=0, eviction_policy="evict_first")
+        s = tl.load(s_row_ptr + grp, mask=cm, other=0.0).to(tl.float32)
+        mn = tl.load(m_row_ptr + grp, mask=cm, other=0.0).to(tl.float32)
+    bi = b.to(tl.int32)
+    lo = small_uint_to_f32(bi & 0x0F)
+    hi16 = small_uint_to_f32(bi & 0xF0)  # 16 * high nibble: saves the shift, undone by s / 16
+    s2 = s[:, None]
+    m2 = mn[:, None]
+    return acc + (lo * s2 + m2) * xe + (hi16 * (s2 * 0.0625) + m2) * xo
+
+
+@triton.jit
 def _gemv_w4_kernel(xw_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr, N, KB, kb_per_split,
                     stride_wn, stride_sn,
                     X_KIND: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
-                    GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KB: tl.constexpr):
-    """One row of x against w4 weights (KB bytes a row). Tiles are [BLOCK_N, BLOCK_KB // 16, 16] bytes:
-    a thread owns a 16-byte chunk, which lies inside one group (groups are >= 16 bytes), so each
-    chunk needs one scale and one minimum. x comes as words holding the pair (x[2j], x[2j+1]) of
-    byte j, loaded in the bytes' layout (no shuffles)."""
+                    GROUP_SIZE: tl.constexpr, ROWS: tl.constexpr, BLOCK_KB: tl.constexpr):
+    """One row of x against ROWS (1, 2 or 4) rows of w4 weights (KB bytes a row), as _gemv_kernel.
+    Tiles are [BLOCK_KB // 16, 16] bytes: a 16-byte chunk lies inside one group (groups are >= 16
+    bytes), so it takes one scale and one minimum. x comes as words holding the pair
+    (x[2j], x[2j+1]) of byte j, unpacked once per step for all rows."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ld = tl.minimum(n, N - 1)
-    n64 = n_ld.to(tl.int64)
+    n0 = pid_n * ROWS
+    i0 = tl.minimum(n0, N - 1).to(tl.int64)
+    i1 = tl.minimum(n0 + 1, N - 1).to(tl.int64)
+    i2 = tl.minimum(n0 + 2, N - 1).to(tl.int64)
+    i3 = tl.minimum(n0 + 3, N - 1).to(tl.int64)
     chunk = tl.arange(0, BLOCK_KB // 16) * 16
     v = tl.arange(0, 16)
-    zero = 0 * n[:, None, None]
     b_lo = pid_k * kb_per_split
     b_hi = tl.minimum(b_lo + kb_per_split, KB)
-    acc = tl.zeros([BLOCK_N, BLOCK_KB // 16], dtype=tl.float32)
+    a0 = tl.zeros([BLOCK_KB // 16, 16], dtype=tl.float32)
+    a1 = tl.zeros([BLOCK_KB // 16, 16], dtype=tl.float32)
+    a2 = tl.zeros([BLOCK_KB // 16, 16], dtype=tl.float32)
+    a3 = tl.zeros([BLOCK_KB // 16, 16], dtype=tl.float32)
     for kb0 in range(b_lo, b_hi, BLOCK_KB):
-        start = kb0 + chunk  # [CHUNKS] first byte of each chunk
-        byte = (start[:, None] + v[None, :])[None, :, :]
-        grp = (start // (GROUP_SIZE // 2))[None, :]
-        s_ptrs = scale_ptr + n64[:, None] * stride_sn + grp
-        m_ptrs = min_ptr + n64[:, None] * stride_sn + grp
+        start = kb0 + chunk  # first byte of each chunk
+        byte = start[:, None] + v[None, :]
+        grp = start // (GROUP_SIZE // 2)
+        cm = start < b_hi  # chunks never straddle b_hi: rows and splits are whole chunks
         if EVEN_K:
-            b = tl.load(w_ptr + n64[:, None, None] * stride_wn + byte, eviction_policy="evict_first")
-            xv = tl.load(xw_ptr + byte + zero)
-            s = tl.load(s_ptrs).to(tl.float32)
-            mn = tl.load(m_ptrs).to(tl.float32)
+            xv = tl.load(xw_ptr + byte)
         else:
-            cm = (start < b_hi)[None, :]  # chunks never straddle b_hi: rows and splits are whole chunks
-            b = tl.load(w_ptr + n64[:, None, None] * stride_wn + byte, mask=cm[:, :, None], other=0,
-                        eviction_policy="evict_first")
-            xv = tl.load(xw_ptr + byte + zero, mask=cm[:, :, None], other=0)
-            s = tl.load(s_ptrs, mask=cm, other=0.0).to(tl.float32)
-            mn = tl.load(m_ptrs, mask=cm, other=0.0).to(tl.float32)
+            xv = tl.load(xw_ptr + byte, mask=cm[:, None], other=0)
         xe, xo = _x_pairs(xv, X_KIND)
-        bi = b.to(tl.int32)
-        lo = small_uint_to_f32(bi & 0x0F)
-        hi16 = small_uint_to_f32(bi & 0xF0)  # 16 * high nibble: saves the shift, undone by s / 16
-        s3 = s[:, :, None]
-        m3 = mn[:, :, None]
-        acc += tl.sum((lo * s3 + m3) * xe + (hi16 * (s3 * 0.0625) + m3) * xo, axis=2)
-    y = tl.sum(acc, axis=1)
-    if SPLIT:
-        tl.store(part_ptr + pid_k * N + n, y, mask=n < N)
-    else:
-        if HAS_BIAS:
-            y += tl.load(bias_ptr + n_ld).to(tl.float32)
-        tl.store(out_ptr + n, y.to(out_ptr.dtype.element_ty), mask=n < N)
+        a0 = _dot_row_w4(a0, w_ptr + i0 * stride_wn, scale_ptr + i0 * stride_sn, min_ptr + i0 * stride_sn,
+                         byte, grp, xe, xo, cm, EVEN_K)
+        if ROWS > 1:
+            a1 = _dot_row_w4(a1, w_ptr + i1 * stride_wn, scale_ptr + i1 * stride_sn, min_ptr + i1 * stride_sn,
+                             byte, grp, xe, xo, cm, EVEN_K)
+        if ROWS > 2:
+            a2 = _dot_row_w4(a2, w_ptr + i2 * stride_wn, scale_ptr + i2 * stride_sn, min_ptr + i2 * stride_sn,
+                             byte, grp, xe, xo, cm, EVEN_K)
+            a3 = _dot_row_w4(a3, w_ptr + i3 * stride_wn, scale_ptr + i3 * stride_sn, min_ptr + i3 * stride_sn,
+                             byte, grp, xe, xo, cm, EVEN_K)
+    y = _rows_result(tl.sum(tl.sum(a0, axis=1), axis=0), tl.sum(tl.sum(a1, axis=1), axis=0),
+                     tl.sum(tl.sum(a2, axis=1), axis=0), tl.sum(tl.sum(a3, axis=1), axis=0))
+    n = n0 + tl.arange(0, 4)
+    _gemv_store(y, tl.where(tl.arange(0, 4) < ROWS, n, N), N, pid_k, scale_ptr, bias_ptr, out_ptr, part_ptr,
+                False, HAS_BIAS, SPLIT)
 
 
 @triton.jit
@@ -257,8 +311,8 @@ def _x_words(x: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class LinearConfig:
-    """Launch parameters. GEMV: block_n rows per program, block_k weights per step (w4: groups per
-    step = block_k // group_size). Matmul: block_m x block_n tiles over block_k. split: K splits."""
+    """Launch parameters. GEMV: block_n (1, 2 or 4) weight rows per program, block_k weights a step.
+    Matmul: block_m x block_n tiles over block_k. split: K splits."""
 
     kind: str  # "gemv" | "matmul" | "torch"
     block_m: int = 16
@@ -281,35 +335,42 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNT[idx]
 
 
-def _pick_split(tiles: int, k_steps: int, sms: int, min_steps: int) -> int:
-    """Split K until there are about two programs per SM, keeping >= min_steps steps per split."""
-    want = max(1, -(-2 * sms // tiles))
+def _pick_split(tiles: int, k_steps: int, target: int, min_steps: int) -> int:
+    """Split K until there are `target` programs, keeping >= min_steps K steps per split."""
+    want = max(1, -(-target // tiles))
     return max(1, min(want, k_steps // min_steps, 16))
 
 
 def choose_config(m: int, n: int, k: int, fmt: str, device: torch.device) -> LinearConfig:
     """Shape heuristics (no autotuning: it must also run under the CPU interpreter). GPU numbers come
-    from sweeps on an H200 (tests/test_kernels_gpu.py --sweep)."""
+    from sweeps on an H200 (`python tests/test_kernels_gpu.py --sweep`)."""
     sms = _sm_count(device)
     if device.type != "cuda":
         if m == 1:
-            split = _pick_split(-(-n // 16), -(-k // 64), sms, 1)
-            return LinearConfig("gemv", 1, 16, 64, split, num_warps=4, num_stages=1)
+            split = _pick_split(-(-n // 4), -(-k // 64), 2 * sms, 1)
+            return LinearConfig("gemv", 1, 4, 64, split, num_warps=4, num_stages=1)
         block_m = 16 if m <= 16 else 32
-        split = _pick_split(-(-m // block_m) * -(-n // 32), -(-k // 64), sms, 2)
+        split = _pick_split(-(-m // block_m) * -(-n // 32), -(-k // 64), 2 * sms, 2)
         return LinearConfig("matmul", block_m, 32, 64, split, num_warps=4, num_stages=1)
     if m == 1:
-        # 4 rows x 1024 columns a step; split K only while the rows alone leave SMs idle
+        # 4 weight rows a program, 1024 (w4: 2048) columns a step: the H200 sweep's best for w8 and
+        # dense at 4096x14336 and 14336x4096; split K only while the rows alone leave SMs idle
         block_k = 2048 if fmt == "w4" else 1024
-        split = _pick_split(-(-n // 4), -(-k // block_k), sms, 4)
+        split = _pick_split(-(-n // 4), -(-k // block_k), 2 * sms, 2)
         return LinearConfig("gemv", 1, 4, block_k, split, num_warps=4, num_stages=1)
     if fmt == "dense":
         return LinearConfig("torch")  # cuBLAS is at bandwidth for dense weights from M = 2 on
     if m <= 64:
+        # decode batches: still weight-bandwidth bound; split K to fill the SMs (w4 wants more
+        # programs: its dequantization is the slower part)
         block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-        tiles = -(-m // block_m) * -(-n // 64)
-        split = _pick_split(tiles, -(-k // 128), sms, 4)
-        return LinearConfig("matmul", block_m, 64, 128, split, num_warps=4, num_stages=3)
+        if fmt == "w4":
+            block_n, block_k, target = 128, (128 if block_m == 16 else 64), 2 * sms
+        else:
+            block_n, block_k, target = 64, (256 if block_m == 16 else 128), sms
+        tiles = -(-m // block_m) * -(-n // block_n)
+        split = _pick_split(tiles, -(-k // block_k), target, 4)
+        return LinearConfig("matmul", block_m, block_n, block_k, split, num_warps=4, num_stages=3)
     block_m = 64 if m <= 128 else 128
     return LinearConfig("matmul", block_m, 128, 64, 1, num_warps=8 if block_m == 128 else 4, num_stages=3)
 
@@ -339,6 +400,8 @@ def linear(x: torch.Tensor, w: LinearWeight, config: LinearConfig | None = None)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     split = max(1, cfg.split)
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
+    if cfg.kind == "gemv" and cfg.block_n not in (1, 2, 4):
+        raise ValueError(f"a GEMV program takes 1, 2 or 4 weight rows, not {cfg.block_n}")
     if fmt == 2 and cfg.kind == "gemv":
         kb = k // 2  # bytes a row; a whole number of 16-byte chunks since groups are >= 32 weights
         block_kb = max(16, cfg.block_k // 2)
@@ -349,7 +412,7 @@ def linear(x: torch.Tensor, w: LinearWeight, config: LinearConfig | None = None)
         _gemv_w4_kernel[(triton.cdiv(n, cfg.block_n), split)](
             _x_words(x2), data, scale, minimum, bias, out, part, n, kb, per, data.stride(0), scale.stride(0),
             X_KIND=_X_KINDS[x.dtype], HAS_BIAS=w.bias is not None, SPLIT=split > 1, EVEN_K=kb % block_kb == 0,
-            GROUP_SIZE=w.group_size, BLOCK_N=cfg.block_n, BLOCK_KB=block_kb,
+            GROUP_SIZE=w.group_size, ROWS=cfg.block_n, BLOCK_KB=block_kb,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     else:
         block_k = max(cfg.block_k, 32)
@@ -362,7 +425,7 @@ def linear(x: torch.Tensor, w: LinearWeight, config: LinearConfig | None = None)
             _gemv_kernel[(triton.cdiv(n, cfg.block_n), split)](
                 x2, data, scale, bias, out, part, n, k, per, data.stride(0),
                 FORMAT=fmt, HAS_BIAS=w.bias is not None, SPLIT=split > 1, EVEN_K=even_k,
-                BLOCK_N=cfg.block_n, BLOCK_K=block_k, VEC=16 // data.element_size(),
+                ROWS=cfg.block_n, BLOCK_K=block_k, VEC=16 // data.element_size(),
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         else:
             tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)

@@ -149,16 +149,16 @@ def test_linear_w4_groups_gemv_split(group: int) -> None:
     w = _weight("w4", 40, 512, torch.float16, bias=True, group=group)
     x = torch.randn(1, 512).to(torch.float16)
     # two groups per step, three K splits with a ragged last split
-    cfg = tlin.LinearConfig("gemv", 1, 16, 2 * group, split=3)
+    cfg = tlin.LinearConfig("gemv", 1, 4, 2 * group, split=3)
     _check_linear(x, w, cfg)
-    _check_linear(x, w, tlin.LinearConfig("gemv", 1, 16, group, split=1))
+    _check_linear(x, w, tlin.LinearConfig("gemv", 1, 2, group, split=1))
 
 
 def test_linear_w4_ragged_k() -> None:
     torch.manual_seed(3)
     w = _weight("w4", 24, 224, torch.float32, bias=False)  # 7 groups: the K step does not divide K
     x = torch.randn(1, 224)
-    _check_linear(x, w, tlin.LinearConfig("gemv", 1, 16, 64, split=2))
+    _check_linear(x, w, tlin.LinearConfig("gemv", 1, 4, 64, split=2))
     _check_linear(torch.randn(20, 224), w, tlin.LinearConfig("matmul", 16, 16, 64, split=1))
 
 
@@ -178,8 +178,8 @@ def test_linear_gemv_ragged_k(fmt: str) -> None:
     torch.manual_seed(0)
     w = _weight(fmt, 33, 200, torch.float32, bias=True)  # K not a multiple of the block, N of the rows
     x = torch.randn(1, 200)
-    _check_linear(x, w, tlin.LinearConfig("gemv", 1, 16, 64, split=2))
-    _check_linear(x, w, tlin.LinearConfig("gemv", 1, 16, 64, split=1))
+    _check_linear(x, w, tlin.LinearConfig("gemv", 1, 4, 64, split=2))
+    _check_linear(x, w, tlin.LinearConfig("gemv", 1, 1, 64, split=1))
 
 
 @pytest.mark.parametrize("fmt", ["dense", "w8", "w4"])
