@@ -75,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     decode.add_argument("--steps", type=int, default=64)
     decode.add_argument("--peer", action="store_true", help="also time transformers (static cache, compiled)")
     kern = bench_sub.add_parser("kernels", help="each kernel's GB/s or TFLOP/s against measured ceilings")
-    kern.add_argument("--dtype", default="bfloat16")
+    kern.add_argument("--sweep", action="store_true", help="also sweep launch configurations")
     srv = bench_sub.add_parser("serve", help="load generator over HTTP/3 with per-tier SLA report")
     _add_client_flags(srv)
     from edged.bench.serve import add_arguments as add_serve_arguments

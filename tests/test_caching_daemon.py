@@ -86,9 +86,9 @@ def test_a_repeated_greedy_request_is_a_cache_hit_with_ten_times_lower_ttft_and_
         assert d.stop() == 0
 
 
+@pytest.mark.timeout(1500)
 def test_sigkill_during_heavy_cache_writes_leaves_a_cache_that_opens_20_times_in_a_row(tmp_path: Path) -> None:
     config = "model:\n  max_num_seqs: 32\n"
-    expected: dict[str, str] = {}
     for round_no in range(20):
         d = start_daemon(tmp_path, config)
         assert "moved aside" not in d.log_text()
@@ -113,12 +113,16 @@ def test_sigkill_during_heavy_cache_writes_leaves_a_cache_that_opens_20_times_in
         path = db_path(d.state_dir)
         with sqlite3.connect(path) as con:
             assert con.execute("PRAGMA quick_check").fetchone()[0] == "ok"
+        with sqlite3.connect(path) as con:
+            keys = [k for (k,) in con.execute("SELECT key FROM entries")]
         cache = ResultCache.open(path, max_bytes=None, ttl_s=None)
         try:
             assert cache.available
-            stats = cache.stats()
-            assert stats["corrupt"] == 0
-            assert stats["entries"] >= len(expected) * 0  # entries only grow; checked per key below
+            # Every entry present reads back whole: its checksum holds and its text is a real answer.
+            for key in keys:
+                hit = cache.get(key)
+                assert hit is not None and hit.completion_tokens == len(hit.token_ids) > 0
+            assert cache.stats()["corrupt"] == 0
         finally:
             cache.close()
         assert not list(d.state_dir.glob("*.corrupt-*"))

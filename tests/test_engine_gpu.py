@@ -9,7 +9,8 @@ from edged.engine.llm_engine import LLMEngine
 from edged.engine.model_runner import ModelRunner
 from edged.models.batch import KVCache
 from edged.models.config import ModelConfig
-from edged.models.llama import LlamaModel
+from edged.kernels import LinearWeight
+from edged.models.llama import LayerWeights, LlamaModel, LlamaWeights
 from edged.models.runtime_weights import build_weights, random_named_weights
 from edged.scheduler.batcher import Batcher, BatchLimits
 from engine_fixtures import request, run_to_completion
@@ -20,10 +21,27 @@ SMALL = ModelConfig(vocab_size=2048, hidden_size=256, intermediate_size=704, num
                     num_kv_heads=2, max_position_embeddings=1024, name="small-gpu")
 
 
-def engine_on(device: str, dtype: torch.dtype, quant: str, graphs: bool) -> LLMEngine:
+def as_cpu_float32(w: LlamaWeights) -> LlamaWeights:
+    """The same weights on the CPU: packed data as is, every float tensor exactly widened to float32."""
+    def f(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else (t.cpu() if t.dtype in (torch.int8, torch.uint8) else t.cpu().float())
+
+    def lin(x: LinearWeight) -> LinearWeight:
+        return LinearWeight(x.format, f(x.data), f(x.scale), f(x.minimum), x.group_size, f(x.bias))
+
+    layers = [LayerWeights(f(l.input_norm), lin(l.qkv), lin(l.o), f(l.post_norm), lin(l.gate_up), lin(l.down))
+              for l in w.layers]
+    return LlamaWeights(f(w.embed), layers, f(w.final_norm), lin(w.lm_head))
+
+
+def gpu_weights(dtype: torch.dtype, quant: str) -> LlamaWeights:
     # A large std gives peaked logits, so greedy choices sit far from ties in every dtype.
-    named = random_named_weights(SMALL, seed=3, std=0.25)
-    model = LlamaModel(SMALL, build_weights(named, SMALL, quant, dtype, device), 1024)
+    return build_weights(random_named_weights(SMALL, seed=3, std=0.25), SMALL, quant, dtype, "cuda")
+
+
+def engine_on(weights: LlamaWeights, graphs: bool) -> LLMEngine:
+    model = LlamaModel(SMALL, weights, 1024)
+    dtype, device = weights.embed.dtype, weights.embed.device
     kv = KVCache.allocate(SMALL.num_layers, 256, 16, SMALL.num_kv_heads, SMALL.head_dim, dtype, device)
     runner = ModelRunner(model, kv)
     if graphs:
@@ -38,14 +56,16 @@ PROMPTS = [[5, 17, 300, 42, 7], list(range(100, 140)), [1999, 3, 3, 3], list(ran
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_gpu_engine_greedy_output_equals_the_cpu_reference_engine_for_64_tokens(dtype: torch.dtype) -> None:
     reqs = [request(f"r{i}", p, max_tokens=64) for i, p in enumerate(PROMPTS)]
-    cpu = run_to_completion(engine_on("cpu", torch.float32, "none", False), reqs)
-    gpu = run_to_completion(engine_on("cuda", dtype, "none", True), reqs)
+    weights = gpu_weights(dtype, "none")
+    cpu = run_to_completion(engine_on(as_cpu_float32(weights), False), reqs)
+    gpu = run_to_completion(engine_on(weights, True), reqs)
     assert gpu == cpu
 
 
 @pytest.mark.parametrize("quant", ["w8", "w4"])
 def test_quantized_gpu_engine_matches_the_cpu_engine_on_the_same_quantized_weights(quant: str) -> None:
     reqs = [request(f"r{i}", p, max_tokens=64) for i, p in enumerate(PROMPTS)]
-    cpu = run_to_completion(engine_on("cpu", torch.float32, quant, False), reqs)
-    gpu = run_to_completion(engine_on("cuda", torch.float16, quant, True), reqs)
+    weights = gpu_weights(torch.float16, quant)
+    cpu = run_to_completion(engine_on(as_cpu_float32(weights), False), reqs)
+    gpu = run_to_completion(engine_on(weights, True), reqs)
     assert gpu == cpu

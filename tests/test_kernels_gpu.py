@@ -1,7 +1,7 @@
 """The Triton kernels against the torch reference on the GPU, at real model shapes, fp16 and bf16.
 
 Errors are relative, ||out - ref|| / ||ref||, against the reference run in float32 on the same inputs.
-`python tests/test_kernels_gpu.py` prints bandwidth figures (GEMV, attention decode, copy).
+`edged bench kernels` prints their bandwidth figures.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from edged.kernels import reference
-from edged.kernels.weights import LinearWeight, quantize_w4, quantize_w8
+from edged.kernels.weights import LinearWeight, quantize_w4, quantize_w8  # noqa: F401
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
@@ -22,6 +22,7 @@ from edged.kernels import triton_attention as tattn  # noqa: E402
 from edged.kernels import triton_linear as tlin  # noqa: E402
 from edged.kernels import triton_ops as ops  # noqa: E402
 from edged.kernels import triton_sampling as tsamp  # noqa: E402
+from edged.bench.kernel_inputs import make_weight, paged_cache  # noqa: E402
 
 DEV = torch.device("cuda")
 DTYPES = [torch.float16, torch.bfloat16]
@@ -36,18 +37,6 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((g - w).norm() / w.norm().clamp(min=1e-12)).item()
 
 
-def make_weight(fmt: str, n: int, k: int, dtype: torch.dtype, bias: bool = False, group: int = 32,
-                seed: int = 0) -> LinearWeight:
-    g = torch.Generator(device=DEV).manual_seed(seed)
-    dense = torch.randn(n, k, generator=g, device=DEV) * 0.02
-    b = (torch.randn(n, generator=g, device=DEV) * 0.1).to(dtype) if bias else None
-    if fmt == "dense":
-        return LinearWeight("dense", dense.to(dtype), bias=b)
-    w = quantize_w8(dense, b) if fmt == "w8" else quantize_w4(dense, group, b)
-    w.scale = w.scale.to(dtype)
-    if w.minimum is not None:
-        w.minimum = w.minimum.to(dtype)
-    return w
 
 
 def ref_linear(x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
@@ -153,28 +142,6 @@ def test_rope(dtype: torch.dtype, head_dim: int, hq: int, hk: int) -> None:
 
 # -------------------------------------------------------------------------------------------- KV cache
 
-def paged_cache(ctx_lens: list[int], hkv: int, d: int, block: int, dtype: torch.dtype, int8: bool, seed: int = 0):
-    g = torch.Generator(device=DEV).manual_seed(seed)
-    width = max(-(-c // block) for c in ctx_lens) + 2
-    n_blocks = sum(-(-c // block) for c in ctx_lens) + 5
-    perm = torch.randperm(n_blocks, device=DEV, generator=g)
-    tables = torch.zeros(len(ctx_lens), width, dtype=torch.int32, device=DEV)
-    store = torch.int8 if int8 else dtype
-    kc = torch.zeros(n_blocks, block, hkv, d, dtype=store, device=DEV)
-    vc = torch.zeros_like(kc)
-    ks = torch.zeros(n_blocks, block, hkv, device=DEV) if int8 else None
-    vs = torch.zeros_like(ks) if int8 else None
-    used = 0
-    for b, c in enumerate(ctx_lens):
-        nb = -(-c // block)
-        tables[b, :nb] = perm[used:used + nb].int()
-        used += nb
-        p = torch.arange(c, device=DEV)
-        slots = tables[b, p // block].long() * block + p % block
-        k = torch.randn(c, hkv, d, generator=g, device=DEV).to(dtype)
-        v = torch.randn(c, hkv, d, generator=g, device=DEV).to(dtype)
-        reference.write_kv(k, v, kc, vc, slots, ks, vs)
-    return kc, vc, ks, vs, tables
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -319,176 +286,3 @@ def test_llama_forward_matches_reference(monkeypatch: pytest.MonkeyPatch) -> Non
     for int8 in (False, True):
         for got, want in zip(outs["auto", int8], outs["reference", int8]):
             assert rel_err(got, want) < 3e-2, int8
-
-
-# ---------------------------------------------------------------------------------------------- timing
-
-def _graph_time(fn, calls: int = 8, replays: int = 20) -> float:
-    """Seconds per call, from CUDA-graph replays of `calls` calls (launch gaps out of the numbers)."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fn(i)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / (replays * calls))
-    return sorted(times)[len(times) // 2]
-
-
-def copy_bandwidth() -> tuple[float, float]:
-    """(copy, read) bytes per second: a 2 GiB device-to-device copy counting bytes read + written,
-    and a sum over the same 2 GiB (bytes read)."""
-    src = torch.randn(2**29, device=DEV)  # 2 GiB
-    dst = torch.empty_like(src)
-    for _ in range(50):  # let the clocks come up
-        dst.copy_(src)
-    torch.cuda.synchronize()
-    copy = 2 * src.numel() * 4 / _graph_time(lambda i=0: dst.copy_(src), calls=4, replays=10)
-    kernel_copy = 2 * src.numel() * 4 / _graph_time(lambda i=0: torch.add(src, 1.0, out=dst), calls=4, replays=10)
-    read = src.numel() * 4 / _graph_time(lambda i=0: src.sum(), calls=4, replays=10)
-    print(f"elementwise kernel copy (dst = src + 1, read+write): {kernel_copy / 1e9:8.0f} GB/s", flush=True)
-    return copy, read
-
-
-_WEIGHTS: dict[tuple, list[LinearWeight]] = {}
-
-
-def _weights(fmt: str, n: int, k: int, dtype: torch.dtype, group: int, copies: int) -> list[LinearWeight]:
-    key = (fmt, n, k, dtype, group, copies)
-    if key not in _WEIGHTS:
-        _WEIGHTS.clear()
-        _WEIGHTS[key] = [make_weight(fmt, n, k, dtype, group=group, seed=i) for i in range(copies)]
-    return _WEIGHTS[key]
-
-
-def gemv_time(fmt: str, n: int, k: int, m: int = 1, dtype=torch.bfloat16, config=None, copies: int = 4,
-              group: int = 32, use_torch: bool = False) -> tuple[float, int]:
-    """(seconds per linear call at M rows, weight bytes), rotating over copies that overflow the L2."""
-    ws = _weights(fmt, n, k, dtype, group, copies)
-    x = torch.randn(m, k, device=DEV).to(dtype)
-    if use_torch:
-        t = _graph_time(lambda i=0: torch.nn.functional.linear(x, ws[i % copies].data))
-    else:
-        t = _graph_time(lambda i=0: tlin.linear(x, ws[i % copies], config))
-    return t, ws[0].nbytes
-
-
-def decode_time(batch: int, ctx: int, dtype=torch.bfloat16, int8: bool = False, hq: int = 32, hkv: int = 8,
-                d: int = 128) -> tuple[float, int]:
-    """(seconds per attention_decode call, K/V bytes read), rotating caches so they overflow the L2."""
-    nbytes = 2 * batch * ctx * hkv * d * (1 if int8 else 2) + (2 * batch * ctx * hkv * 4 if int8 else 0)
-    copies = max(1, min(64, -(-256 * 2**20 // nbytes)))
-    caches = [paged_cache([ctx] * batch, hkv, d, 16, dtype, int8, seed=i) for i in range(copies)]
-    q = torch.randn(batch, hq, d, device=DEV).to(dtype)
-    lens = torch.tensor([ctx] * batch, dtype=torch.int32, device=DEV)
-
-    def call(i: int = 0) -> torch.Tensor:
-        kc, vc, ks, vs, tables = caches[i % copies]
-        return tattn.attention_decode(q, kc, vc, tables, lens, d ** -0.5, ks, vs)
-
-    return _graph_time(call, calls=max(8, min(copies, 32))), nbytes
-
-
-def prefill_time(tokens: int, dtype=torch.bfloat16, hq: int = 32, hkv: int = 8, d: int = 128) -> tuple[float, float]:
-    """(seconds, causal attention FLOPs) of one prompt of `tokens` tokens."""
-    kc, vc, _, _, tables = paged_cache([tokens], hkv, d, 16, dtype, False, seed=5)
-    q = torch.randn(tokens, hq, d, device=DEV).to(dtype)
-    cu = torch.tensor([0, tokens], dtype=torch.int32, device=DEV)
-    lens = torch.tensor([tokens], dtype=torch.int32, device=DEV)
-    t = _graph_time(lambda i=0: ops.attention_prefill(q, kc, vc, tables, cu, lens, d ** -0.5), calls=2, replays=5)
-    return t, 2.0 * tokens * tokens * hq * d  # 4 T^2 H D / 2 (causal)
-
-
-def report(sweep: bool = False) -> None:
-    copy, read = copy_bandwidth()
-    print(f"copy bandwidth (2 GiB fp32, read+write): {copy / 1e9:8.0f} GB/s   read (sum): {read / 1e9:8.0f} GB/s",
-          flush=True)
-
-    def row(name: str, fn) -> None:
-        try:
-            t, nbytes = fn()
-            print(f"{name:46s} {t * 1e6:9.1f} us {nbytes / t / 1e9:8.0f} GB/s {100 * nbytes / t / copy:6.1f}% of copy",
-                  flush=True)
-        except Exception as e:  # noqa: BLE001 - keep measuring the rest
-            print(f"{name:46s} FAILED {type(e).__name__}: {e}", flush=True)
-
-    for fmt in ("w8", "w4", "dense"):
-        for n, k in ((4096, 14336), (14336, 4096)):
-            for m in (1, 16, 64):
-                row(f"linear {fmt} {n}x{k} M={m} bf16", lambda: gemv_time(fmt, n, k, m))
-    row("linear w8 4096x14336 M=1 fp16", lambda: gemv_time("w8", 4096, 14336, 1, torch.float16))
-    row("linear w4 4096x14336 M=1 fp16", lambda: gemv_time("w4", 4096, 14336, 1, torch.float16))
-    row("linear w4 g128 4096x14336 M=1 bf16", lambda: gemv_time("w4", 4096, 14336, 1, group=128))
-    row("linear w8 128256x4096 M=1 bf16 (lm_head)", lambda: gemv_time("w8", 128256, 4096, 1, copies=1))
-    for n, k in ((4096, 14336), (14336, 4096)):
-        row(f"cuBLAS F.linear dense {n}x{k} M=1 bf16", lambda: gemv_time("dense", n, k, 1, use_torch=True))
-    for batch in (1, 32):
-        for ctx in (1024, 4096):
-            row(f"attention_decode B={batch} ctx={ctx} bf16", lambda: decode_time(batch, ctx))
-    row("attention_decode B=32 ctx=1024 int8 KV", lambda: decode_time(32, 1024, int8=True))
-    row("attention_decode B=1 ctx=1024 hd64", lambda: decode_time(1, 1024, d=64))
-    for fmt in ("w8", "w4", "dense"):
-        try:
-            t, _ = gemv_time(fmt, 14336, 4096, 2048, copies=1, use_torch=fmt == "dense")
-            print(f"linear {fmt} 14336x4096 M=2048 bf16: {t * 1e6:8.1f} us {2 * 2048 * 14336 * 4096 / t / 1e12:6.0f} TFLOP/s",
-                  flush=True)
-        except Exception as e:  # noqa: BLE001
-            print(f"linear {fmt} M=2048 FAILED {type(e).__name__}: {e}", flush=True)
-    for tokens in (2048, 8192):
-        try:
-            t, flops = prefill_time(tokens)
-            print(f"attention_prefill T={tokens} hd128 bf16: {t * 1e6:8.1f} us {flops / t / 1e12:6.0f} TFLOP/s", flush=True)
-        except Exception as e:  # noqa: BLE001
-            print(f"attention_prefill T={tokens} FAILED {type(e).__name__}: {e}", flush=True)
-    if sweep:
-        sweep_configs(copy)
-
-
-def sweep_configs(copy: float) -> None:
-    """Launch configurations (for the heuristics in triton_linear.choose_config and attention_decode)."""
-    def measure(label: str, fn) -> float:
-        try:
-            t, nbytes = fn()
-        except Exception as e:  # noqa: BLE001 - a config that fails is reported and skipped
-            print(f"  {label}: {type(e).__name__}: {str(e)[:200]}", flush=True)
-            return 0.0
-        print(f"  {label}: {t * 1e6:7.1f} us {nbytes / t / 1e9:6.0f} GB/s {100 * nbytes / t / copy:5.1f}%", flush=True)
-        return nbytes / t
-
-    gemv = {"w8": [(4, 1024, 4), (4, 2048, 4), (4, 2048, 8), (4, 4096, 8), (2, 2048, 4)],
-            "w4": [(4, 2048, 4), (4, 4096, 4), (4, 4096, 8), (2, 4096, 4), (4, 8192, 8)],
-            "dense": [(4, 1024, 4), (4, 2048, 4), (4, 2048, 8), (2, 2048, 4)]}
-    for fmt, cands in gemv.items():
-        for n, k in ((4096, 14336), (14336, 4096)):
-            best = (0.0, "")
-            for rows, bk, warps in cands:
-                if bk > k:
-                    continue
-                for split in sorted({1, 2}):
-                    cfg = tlin.LinearConfig("gemv", 1, rows, bk, split, num_warps=warps, num_stages=1)
-                    label = f"{fmt} {n}x{k} M=1 rows={rows} bk={bk} warps={warps} split={split}"
-                    best = max(best, (measure(label, lambda: gemv_time(fmt, n, k, config=cfg)), label))
-            print(f"BEST {best[1]}: {best[0] / 1e9:.0f} GB/s {100 * best[0] / copy:.1f}%", flush=True)
-
-
-def _decode_time_cfg(batch: int, ctx: int, int8: bool, block_t: int, warps: int) -> tuple[float, int]:
-    kc, vc, ks, vs, tables = paged_cache([ctx] * batch, 8, 128, 16, torch.bfloat16, int8, seed=7)
-    q = torch.randn(batch, 32, 128, device=DEV).bfloat16()
-    lens = torch.tensor([ctx] * batch, dtype=torch.int32, device=DEV)
-    t = _graph_time(lambda i=0: tattn.attention_decode(q, kc, vc, tables, lens, 128 ** -0.5, ks, vs,
-                                                       block_t=block_t, num_warps=warps))
-    return t, 2 * batch * ctx * 8 * 128 * (1 if int8 else 2) + (2 * batch * ctx * 8 * 4 if int8 else 0)
-
-
-if __name__ == "__main__":
-    report(sweep="--sweep" in sys.argv)

@@ -1,0 +1,47 @@
+"""Random kernel inputs at real shapes on the GPU: quantized weights and a paged KV cache."""
+from __future__ import annotations
+
+import torch
+
+from edged.kernels import reference
+from edged.kernels.weights import LinearWeight, quantize_w4, quantize_w8
+
+DEV = torch.device("cuda")
+
+
+def make_weight(fmt: str, n: int, k: int, dtype: torch.dtype, bias: bool = False, group: int = 32,
+                seed: int = 0) -> LinearWeight:
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    dense = torch.randn(n, k, generator=g, device=DEV) * 0.02
+    b = (torch.randn(n, generator=g, device=DEV) * 0.1).to(dtype) if bias else None
+    if fmt == "dense":
+        return LinearWeight("dense", dense.to(dtype), bias=b)
+    w = quantize_w8(dense, b) if fmt == "w8" else quantize_w4(dense, group, b)
+    w.scale = w.scale.to(dtype)
+    if w.minimum is not None:
+        w.minimum = w.minimum.to(dtype)
+    return w
+
+
+def paged_cache(ctx_lens: list[int], hkv: int, d: int, block: int, dtype: torch.dtype, int8: bool, seed: int = 0):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    width = max(-(-c // block) for c in ctx_lens) + 2
+    n_blocks = sum(-(-c // block) for c in ctx_lens) + 5
+    perm = torch.randperm(n_blocks, device=DEV, generator=g)
+    tables = torch.zeros(len(ctx_lens), width, dtype=torch.int32, device=DEV)
+    store = torch.int8 if int8 else dtype
+    kc = torch.zeros(n_blocks, block, hkv, d, dtype=store, device=DEV)
+    vc = torch.zeros_like(kc)
+    ks = torch.zeros(n_blocks, block, hkv, device=DEV) if int8 else None
+    vs = torch.zeros_like(ks) if int8 else None
+    used = 0
+    for b, c in enumerate(ctx_lens):
+        nb = -(-c // block)
+        tables[b, :nb] = perm[used:used + nb].int()
+        used += nb
+        p = torch.arange(c, device=DEV)
+        slots = tables[b, p // block].long() * block + p % block
+        k = torch.randn(c, hkv, d, generator=g, device=DEV).to(dtype)
+        v = torch.randn(c, hkv, d, generator=g, device=DEV).to(dtype)
+        reference.write_kv(k, v, kc, vc, slots, ks, vs)
+    return kc, vc, ks, vs, tables
