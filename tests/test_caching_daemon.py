@@ -94,21 +94,22 @@ def test_sigkill_during_heavy_cache_writes_leaves_a_cache_that_opens_20_times_in
         assert "moved aside" not in d.log_text()
 
         async def hammer() -> None:
-            async with H3Client("127.0.0.1", d.port, ca_file=d.ca_file) as c:
-                async def one(i: int) -> None:
-                    try:
-                        await c.request("POST", "/v1/chat/completions", {"content-type": "application/json"},
-                                        body(f"Round {round_no}, question {i}: name a fruit.", max_tokens=2,
-                                             stream=False), timeout=30)
-                    except Exception:
-                        pass  # the daemon is killed mid-request
+            c = H3Client("127.0.0.1", d.port, ca_file=d.ca_file)
+            await c.connect()
 
-                tasks = [asyncio.create_task(one(i)) for i in range(64)]
-                await asyncio.sleep(1.5 + 0.1 * (round_no % 5))
-                d.proc.send_signal(signal.SIGKILL)
-                await asyncio.wait(tasks, timeout=35)
+            async def one(i: int) -> None:
+                await c.request("POST", "/v1/chat/completions", {"content-type": "application/json"},
+                                body(f"Round {round_no}, question {i}: name a fruit.", max_tokens=2, stream=False))
 
-        asyncio.run(hammer())
+            tasks = [asyncio.create_task(one(i)) for i in range(64)]
+            await asyncio.sleep(1.5 + 0.1 * (round_no % 5))  # a different moment in every round
+            d.proc.send_signal(signal.SIGKILL)
+            for t in tasks:
+                t.cancel()  # the daemon is gone: nothing will answer them
+            await asyncio.wait(tasks, timeout=5)
+            await asyncio.wait_for(c.close(), 5)
+
+        asyncio.run(asyncio.wait_for(hammer(), 60))
         d.proc.wait(30)
         path = db_path(d.state_dir)
         with sqlite3.connect(path) as con:

@@ -118,7 +118,9 @@ def run_decode(shapes: list[str], quants: list[str], batches: list[int], steps: 
 
 
 def peer_tok_s(name: str, batch: int, steps: int, dtype: torch.dtype = torch.bfloat16) -> float | None:
-    """Hugging Face transformers (static cache, torch.compile) at the same shape, when importable."""
+    """Hugging Face transformers (static cache, eager) at the same shape, when importable. Its
+    torch.compile + CUDA-graph mode is not used: on transformers 5 with torch 2.11 it crashed the
+    process (segfault after a cudagraph skip on the cache's in-place length update)."""
     try:
         from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
     except ImportError:
@@ -132,7 +134,7 @@ def peer_tok_s(name: str, batch: int, steps: int, dtype: torch.dtype = torch.bfl
         model = LlamaForCausalLM(hf_cfg).to(dtype).eval()
     cache = StaticCache(config=hf_cfg, max_batch_size=batch, max_cache_len=CONTEXT + steps + 16, device="cuda",
                         dtype=dtype)
-    forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    forward = model.forward
     ids = torch.randint(0, c.vocab_size, (batch, 1), device="cuda")
     with torch.inference_mode():
         for i in range(steps + 5):
@@ -147,6 +149,13 @@ def peer_tok_s(name: str, batch: int, steps: int, dtype: torch.dtype = torch.bfl
     del model, cache
     torch.cuda.empty_cache()
     return batch / dt
+
+
+def format_peers(peers: dict[tuple[str, int], float]) -> str:
+    lines = ["peer: Hugging Face transformers, static cache, eager, bfloat16, same random-weight shapes",
+             f"{'shape':<14}{'batch':>6}{'tok/s':>11}"]
+    lines += [f"{name:<14}{batch:>6}{tok_s:>11,.0f}" for (name, batch), tok_s in peers.items()]
+    return "\n".join(lines)
 
 
 def format_table(bw: float, results: list[DecodeResult], peers: dict[tuple[str, int], float]) -> str:
@@ -172,11 +181,12 @@ def run_decode_bench(args: argparse.Namespace) -> int:
     quants = [q for q in args.quant.split(",") if q]
     batches = [int(b) for b in args.batch.split(",") if b]
     bw, results = run_decode(shapes, quants, batches, args.steps)
-    peers: dict[tuple[str, int], float] = {}
+    print(format_table(bw, results, {}), flush=True)
     if args.peer:
+        peers: dict[tuple[str, int], float] = {}
         for name in shapes:
             tok_s = peer_tok_s(name, 1, args.steps)
             if tok_s is not None:
                 peers[(name, 1)] = tok_s
-    print(format_table(bw, results, peers))
+        print(format_peers(peers))
     return 0
