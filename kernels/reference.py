@@ -7,6 +7,8 @@ Shapes (T new tokens in a step, B sequences, H heads, D head_dim, N cache blocks
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -164,15 +166,17 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
 
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-           seeds: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+           seeds: torch.Tensor, offsets: torch.Tensor,
+           uniform: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None = None) -> torch.Tensor:
     """Next token per row of logits [B,V]: argmax where temperature == 0, else a Gumbel-max draw
-    from softmax(logits / temperature) restricted to top_k / top_p, with counter-based noise."""
+    from softmax(logits / temperature) restricted to top_k / top_p, with counter-based noise
+    (`uniform`: sampling_uniform, or a device kernel bit-exact with it)."""
     logits = logits.to(torch.float32)
     greedy = logits.argmax(dim=-1)
     if bool((temperature <= 0).all()):
         return greedy
     temp = torch.where(temperature > 0, temperature, 1.0).to(torch.float32)[:, None]
     filtered = apply_top_k_top_p(logits / temp, top_k, top_p.to(torch.float32))
-    u = sampling_uniform(seeds, offsets, logits.shape[-1])
+    u = (uniform or sampling_uniform)(seeds, offsets, logits.shape[-1])
     drawn = (filtered - torch.log(-torch.log(u))).argmax(dim=-1)
     return torch.where(temperature > 0, drawn, greedy)

@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .reference import apply_top_k_top_p
+from . import reference
 
 
 @triton.jit
@@ -47,13 +47,5 @@ def sampling_uniform(seeds: torch.Tensor, offsets: torch.Tensor, vocab: int) -> 
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
            seeds: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """Next token per row of logits [B,V]: argmax where temperature == 0, else a seeded Gumbel-max draw."""
-    logits = logits.to(torch.float32)
-    greedy = logits.argmax(dim=-1)
-    if bool((temperature <= 0).all()):
-        return greedy
-    temp = torch.where(temperature > 0, temperature, 1.0).to(torch.float32)[:, None]
-    filtered = apply_top_k_top_p(logits / temp, top_k, top_p.to(torch.float32))
-    u = sampling_uniform(seeds, offsets, logits.shape[-1])
-    drawn = (filtered - torch.log(-torch.log(u))).argmax(dim=-1)
-    return torch.where(temperature > 0, drawn, greedy)
+    """Next token per row of logits [B,V]: the reference's sampling with the uniforms made on the GPU."""
+    return reference.sample(logits, temperature, top_k, top_p, seeds, offsets, uniform=sampling_uniform)
