@@ -104,7 +104,8 @@ class Daemon:
         start = time.monotonic()
         loaded = await asyncio.to_thread(load_model, cfg.model.path)
         loaded = with_overrides(loaded, cfg.model.served_name, cfg.model.tokenizer, cfg.model.chat_template)
-        settings = EngineSettings.from_config(cfg.model, cfg.cache.prefix_cache)
+        settings = EngineSettings.from_config(cfg.model, cfg.cache.prefix_cache, cfg.cache.host_spill_bytes,
+                                              cfg.scheduler.transfer_budget_bytes)
         self.engine = engine = await asyncio.to_thread(build_engine, loaded, settings)
         self._topology(cfg)
         self._scheduler_config(cfg)
@@ -234,6 +235,7 @@ class Daemon:
         """Tiers, default tier, limits and preemption into the batcher (engine thread or before start)."""
         self.engine.engine.batcher.reconfigure(config.tiers, config.scheduler.default_tier,
                                                self.batch_limits(config), preemption=config.scheduler.preemption)
+        self.engine.engine.blocks.transfer_budget_bytes = config.scheduler.transfer_budget_bytes or self.transfer_budget
 
     def _topology(self, config: Config) -> None:
         """On a GPU node: batch cap and per-step PCIe budget from the topology; the engine thread

@@ -2,15 +2,21 @@
 
 Blocks live in one preallocated pool. A full block is named by a hash chained over its tokens and
 every block before it, so identical prefixes map to the same blocks; blocks are ref-counted, and
-unreferenced ones stay cached until reused, least recently freed first.
+unreferenced ones stay cached until reused, least recently freed first. With a host tier, a named
+block is copied to host memory when it is reused, and a later prefix lookup that misses on the
+device copies it back, within a per-step byte budget.
 """
 from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from .sequence import Sequence
+
+if TYPE_CHECKING:
+    from .host_kv_tier import HostKVTier
 
 
 @dataclass(slots=True)
@@ -27,7 +33,8 @@ def chain_hash(previous: bytes, tokens: list[int]) -> bytes:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True,
+                 host_tier: HostKVTier | None = None, transfer_budget_bytes: int | None = None) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("the KV cache needs at least one block of at least one slot")
         self.num_blocks = num_blocks
@@ -39,6 +46,9 @@ class BlockManager:
         self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self.counters = BlockCounters()
         self._seq_hashes: dict[int, list[bytes]] = {}  # id(seq) -> hashes of its full blocks
+        self.host_tier = host_tier if prefix_caching else None
+        self.transfer_budget_bytes = transfer_budget_bytes  # host -> device bytes per step; None: unlimited
+        self.step_restore_bytes = 0
 
     @property
     def num_free(self) -> int:
@@ -52,10 +62,16 @@ class BlockManager:
         """Blocks to add so that seq's table covers its first num_tokens tokens."""
         return max(0, -(-num_tokens // self.block_size) - len(seq.block_table))
 
+    def begin_step(self) -> None:
+        """A new engine step: its host -> device byte budget starts afresh."""
+        self.step_restore_bytes = 0
+
     def _take_free(self) -> int:
         block, _ = self.free.popitem(last=False)
         old = self.block_hash[block]
         if old is not None:
+            if self.host_tier is not None:
+                self.host_tier.save(block, old)
             self.cached.pop(old, None)
             self.block_hash[block] = None
             self.counters.evictions += 1
@@ -78,10 +94,11 @@ class BlockManager:
         for i in range((seq.num_tokens - 1) // bs):
             previous = chain_hash(previous, seq.token_ids[i * bs:(i + 1) * bs])
             block = self.cached.get(previous)
-            if block is None:
+            if block is not None:
+                self._ref(block)
+            elif (block := self._restore(previous)) is None:
                 break
             hashes.append(previous)
-            self._ref(block)
             seq.block_table.append(block)
         reused = len(hashes) * bs
         self._seq_hashes[id(seq)] = hashes
@@ -90,6 +107,26 @@ class BlockManager:
             self.counters.prefix_hits += 1
             self.counters.prefix_tokens_reused += reused
         return reused
+
+    def _restore(self, block_hash: bytes) -> int | None:
+        """Copy a block from the host tier into a free device block, named and referenced like a
+        device hit; None when the host lacks it, no block is free or the step's budget is spent."""
+        tier = self.host_tier
+        if tier is None or not self.free or not tier.lookup(block_hash):
+            return None
+        cost = tier.bytes_per_block
+        if self.transfer_budget_bytes is not None and self.step_restore_bytes + cost > self.transfer_budget_bytes:
+            return None
+        block = self._take_free()  # may spill its old content first: same stream, so read before overwritten
+        if not tier.restore(block_hash, block):  # that spill dropped the entry itself (a one-block tier)
+            self.ref_count[block] = 0
+            self.free[block] = None
+            self.free.move_to_end(block, last=False)
+            return None
+        self.step_restore_bytes += cost
+        self.cached[block_hash] = block
+        self.block_hash[block] = block_hash
+        return block
 
     def allocate(self, seq: Sequence, num_tokens: int) -> bool:
         """Grow seq's block table to cover num_tokens tokens; False (nothing taken) if blocks lack."""

@@ -118,6 +118,7 @@ class LLMEngine:
         return StepOutput(request_id, [], True, "cancelled")
 
     def step(self) -> list[StepOutput]:
+        self.blocks.begin_step()  # the host -> device restore budget is per step
         plan = self.batcher.schedule()
         outputs = [StepOutput(s.request_id, [], True, "error", "the request needs more KV cache than the node has")
                    for s in plan.rejected]

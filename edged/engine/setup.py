@@ -16,6 +16,7 @@ from edged.scheduler.batcher import Batcher, BatchLimits
 
 from .async_engine import AsyncEngine
 from .block_manager import BlockManager
+from .host_kv_tier import HostKVTier
 from .llm_engine import LLMEngine
 from .model_runner import ModelRunner
 
@@ -40,11 +41,16 @@ class EngineSettings:
     prefix_caching: bool = True
     num_kv_blocks: int | None = None  # None: sized from free memory
     cuda_graphs: bool = True
+    host_spill_bytes: int = 0  # host tier for evicted prefix blocks (pinned on CUDA); 0: off
+    transfer_budget_bytes: int | None = None  # host -> device restore bytes per step; None: unlimited
 
     @classmethod
-    def from_config(cls, model_section: object, prefix_caching: bool = True) -> "EngineSettings":
-        names = [n for n in cls.__slots__ if n != "prefix_caching" and hasattr(model_section, n)]
-        return cls(**{n: getattr(model_section, n) for n in names}, prefix_caching=prefix_caching)
+    def from_config(cls, model_section: object, prefix_caching: bool = True, host_spill_bytes: int = 0,
+                    transfer_budget_bytes: int | None = None) -> "EngineSettings":
+        given = ("prefix_caching", "host_spill_bytes", "transfer_budget_bytes")
+        names = [n for n in cls.__slots__ if n not in given and hasattr(model_section, n)]
+        return cls(**{n: getattr(model_section, n) for n in names}, prefix_caching=prefix_caching,
+                   host_spill_bytes=host_spill_bytes, transfer_budget_bytes=transfer_budget_bytes)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -76,6 +82,16 @@ def kv_block_count(settings: EngineSettings, bytes_per_block: int, max_model_len
     return max(1, min(int(budget // bytes_per_block), useful))
 
 
+def host_tier(settings: EngineSettings, kv: KVCache) -> HostKVTier | None:
+    """The host tier that cache.host_spill_bytes buys, or None (off, or prefix caching off)."""
+    capacity = settings.host_spill_bytes // kv.bytes_per_block() if settings.prefix_caching else 0
+    if settings.host_spill_bytes and not capacity:
+        log.warning("no host KV tier %s", fields(host_spill_bytes=settings.host_spill_bytes,
+                                                 block_bytes=kv.bytes_per_block(),
+                                                 prefix_caching=settings.prefix_caching))
+    return HostKVTier(kv, capacity) if capacity else None
+
+
 def build_engine(loaded: LoadedModel, settings: EngineSettings) -> AsyncEngine:
     device = resolve_device(settings.device)
     dtype = resolve_dtype(settings.dtype, device)
@@ -92,7 +108,9 @@ def build_engine(loaded: LoadedModel, settings: EngineSettings) -> AsyncEngine:
     del probe
     kv = KVCache.allocate(cfg.num_layers, num_blocks, settings.block_size, cfg.num_kv_heads, cfg.head_dim, dtype,
                           device, int8_kv)
-    blocks = BlockManager(num_blocks, settings.block_size, settings.prefix_caching)
+    tier = host_tier(settings, kv)
+    blocks = BlockManager(num_blocks, settings.block_size, settings.prefix_caching, tier,
+                          settings.transfer_budget_bytes)
     batcher = Batcher(blocks, BatchLimits(settings.max_num_seqs, settings.max_batch_tokens))
     runner = ModelRunner(model, kv)
     if settings.cuda_graphs:
@@ -100,5 +118,6 @@ def build_engine(loaded: LoadedModel, settings: EngineSettings) -> AsyncEngine:
     engine = LLMEngine(runner, blocks, batcher, max_model_len, cfg.eos_token_ids, lambda _: None)
     log.info("engine built %s", fields(model=loaded.model_id, device=device, dtype=str(dtype).removeprefix("torch."),
                                        quant=settings.quant, weight_mb=weights.nbytes >> 20, kv_blocks=num_blocks,
-                                       block_size=settings.block_size, max_model_len=max_model_len))
+                                       block_size=settings.block_size, max_model_len=max_model_len,
+                                       host_kv_blocks=tier.capacity if tier else 0))
     return AsyncEngine(engine, loaded.tokenizer, loaded.chat_template, loaded.model_id, max_model_len)
