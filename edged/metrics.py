@@ -40,6 +40,13 @@ class _LiveCollector(Collector):
             yield CounterMetricFamily("edged_preemptions", "sequences preempted", value=c.preemptions)
             yield CounterMetricFamily("edged_prefix_tokens_reused", "prompt tokens served from the prefix cache",
                                       value=blocks.counters.prefix_tokens_reused)
+            tier = getattr(blocks, "host_tier", None)
+            if tier is not None:
+                host = CounterMetricFamily("edged_host_kv_blocks", "KV blocks spilled to / restored from host memory",
+                                           labels=["event"])
+                host.add_metric(["spilled"], tier.counters.spilled)
+                host.add_metric(["restored"], tier.counters.restored)
+                yield host
             tiers = s.tier_snapshot() if s.tier_snapshot else {}
             if tiers:
                 depth = GaugeMetricFamily("edged_queue_depth", "requests waiting per tier", labels=["tier"])
