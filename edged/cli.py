@@ -73,7 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     decode.add_argument("--quant", default="none,w8,w4")
     decode.add_argument("--batch", default="1,8,32,64")
     decode.add_argument("--steps", type=int, default=64)
-    decode.add_argument("--peer", action="store_true", help="also time transformers (static cache, compiled)")
+    decode.add_argument("--peer", action="store_true", help="also time Hugging Face transformers (static cache)")
+    decode.add_argument("--engine", action="store_true",
+                        help="also time the whole engine step, serial and overlapped")
     kern = bench_sub.add_parser("kernels", help="each kernel's GB/s or TFLOP/s against measured ceilings")
     kern.add_argument("--sweep", action="store_true", help="also sweep launch configurations")
     srv = bench_sub.add_parser("serve", help="load generator over HTTP/3 with per-tier SLA report")

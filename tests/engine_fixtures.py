@@ -59,3 +59,18 @@ def collect(out: dict[str, list[int]], done: set[str], o: StepOutput) -> None:
     out[o.request_id].extend(o.new_token_ids)
     if o.finished:
         done.add(o.request_id)
+
+
+def run_overlapped(engine: LLMEngine, requests: list[GenerationRequest], max_steps: int = 10_000) -> dict[str, list[int]]:
+    """As run_to_completion, with steps launched before the previous one is read back."""
+    engine.overlap = True
+    out: dict[str, list[int]] = {r.request_id: [] for r in requests}
+    done: set[str] = set()
+    for r in requests:
+        engine._admit(r)
+    for _ in range(max_steps):
+        if len(done) == len(requests) and not engine.has_work():
+            return out
+        for o in engine.step_overlapped():
+            collect(out, done, o)
+    raise AssertionError("engine did not finish")

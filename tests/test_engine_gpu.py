@@ -89,3 +89,14 @@ def test_quantized_gpu_engine_matches_the_cpu_engine_on_the_same_quantized_weigh
     cpu = run_to_completion(engine_on(as_cpu_float32(weights), False), reqs)
     gpu = run_to_completion(engine_on(weights, True), reqs)
     assert gpu == cpu
+
+
+def test_overlapped_gpu_steps_equal_the_cpu_reference_engine() -> None:
+    from engine_fixtures import run_overlapped
+
+    reqs = [request(f"r{i}", p, max_tokens=64) for i, p in enumerate(PROMPTS)]
+    weights = gpu_weights(torch.bfloat16, "w8")
+    cpu = run_to_completion(engine_on(as_cpu_float32(weights), False), reqs)
+    engine = engine_on(weights, True)
+    assert run_overlapped(engine, reqs) == cpu
+    assert engine.blocks.num_free == engine.blocks.num_blocks

@@ -98,6 +98,45 @@ def time_decode(model: LlamaModel, batch: int, steps: int, dtype: torch.dtype) -
     return dt
 
 
+def time_engine(model: LlamaModel, batch: int, steps: int, dtype: torch.dtype, overlap: bool) -> float:
+    """Seconds per decode step through the whole engine (scheduling, Python bookkeeping, graph replay,
+    sampling, reading tokens back), with or without launching step N+1 before reading step N."""
+    from edged.engine.block_manager import BlockManager
+    from edged.engine.llm_engine import LLMEngine
+    from edged.engine.model_runner import ModelRunner
+    from edged.engine.request import GenerationRequest, SamplingParams
+    from edged.scheduler.batcher import Batcher, BatchLimits
+
+    cfg = model.config
+    total = CONTEXT + steps + 16
+    per_seq = -(-total // BLOCK)
+    kv = KVCache.allocate(cfg.num_layers, batch * per_seq + 1, BLOCK, cfg.num_kv_heads, cfg.head_dim, dtype, "cuda")
+    runner = ModelRunner(model, kv)
+    runner.graphs = DecodeGraphs(model, kv, batch, per_seq, buckets=(batch,))
+    runner.graphs.capture()
+    blocks = BlockManager(batch * per_seq + 1, BLOCK, prefix_caching=False)
+    engine = LLMEngine(runner, blocks, Batcher(blocks, BatchLimits(batch, batch * CONTEXT)), total, [],
+                       lambda _: None, overlap)
+    step = engine.step_overlapped if overlap else engine.step
+    for i in range(batch):
+        prompt = [(i * 7919 + j) % cfg.vocab_size for j in range(CONTEXT)]
+        engine._admit(GenerationRequest(f"b{i}", prompt, SamplingParams(temperature=0, max_tokens=steps + 8,
+                                                                         ignore_eos=True)))
+    while any(s.num_computed < s.num_prompt_tokens for s in engine._by_id.values()):
+        step()
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    dt = (time.perf_counter() - t0) / steps
+    del engine, runner, kv
+    torch.cuda.empty_cache()
+    return dt
+
+
 def run_decode(shapes: list[str], quants: list[str], batches: list[int], steps: int,
                dtype: torch.dtype = torch.bfloat16) -> tuple[float, list[DecodeResult]]:
     bw = copy_bandwidth()
@@ -151,6 +190,26 @@ def peer_tok_s(name: str, batch: int, steps: int, dtype: torch.dtype = torch.bfl
     return batch / dt
 
 
+def format_engine(shapes: list[str], quants: list[str], batches: list[int], steps: int,
+                  dtype: torch.dtype = torch.bfloat16) -> str:
+    """Decode tok/s through the whole engine, each step read back before the next (serial) or the next
+    launched first (overlapped)."""
+    lines = ["engine decode (scheduling + bookkeeping + graph replay + sampling + read-back)",
+             f"{'shape':<14}{'quant':<6}{'batch':>6}{'serial tok/s':>14}{'overlapped tok/s':>18}{'gain':>7}"]
+    for name in shapes:
+        for quant in quants:
+            model = build_model(MODEL_SHAPES[name], quant, dtype)
+            for batch in batches:
+                serial = batch / time_engine(model, batch, steps, dtype, overlap=False)
+                overlapped = batch / time_engine(model, batch, steps, dtype, overlap=True)
+                lines.append(f"{name:<14}{quant:<6}{batch:>6}{serial:>14,.0f}{overlapped:>18,.0f}"
+                             f"{overlapped / serial:>6.2f}x")
+            del model
+            gc.collect()
+            torch.cuda.empty_cache()
+    return "\n".join(lines)
+
+
 def format_peers(peers: dict[tuple[str, int], float]) -> str:
     lines = ["peer: Hugging Face transformers, static cache, eager, bfloat16, same random-weight shapes",
              f"{'shape':<14}{'batch':>6}{'tok/s':>11}"]
@@ -182,6 +241,8 @@ def run_decode_bench(args: argparse.Namespace) -> int:
     batches = [int(b) for b in args.batch.split(",") if b]
     bw, results = run_decode(shapes, quants, batches, args.steps)
     print(format_table(bw, results, {}), flush=True)
+    if getattr(args, "engine", False):
+        print(format_engine(shapes, quants, batches, args.steps), flush=True)
     if args.peer:
         peers: dict[tuple[str, int], float] = {}
         for name in shapes:

@@ -17,7 +17,7 @@ from edged.log import fields
 from edged.scheduler.batcher import Batcher
 
 from .block_manager import BlockManager
-from .model_runner import ModelRunner
+from .model_runner import PLACEHOLDER, LaunchedStep, ModelRunner
 from .request import GenerationRequest, StepOutput
 from .sequence import Sequence, SequenceStatus
 
@@ -37,7 +37,8 @@ class EngineCounters:
 
 class LLMEngine:
     def __init__(self, runner: ModelRunner, blocks: BlockManager, batcher: Batcher, max_model_len: int,
-                 eos_token_ids: list[int], on_outputs: Callable[[list[StepOutput]], None]) -> None:
+                 eos_token_ids: list[int], on_outputs: Callable[[list[StepOutput]], None],
+                 overlap: bool = False) -> None:
         self.runner = runner
         self.blocks = blocks
         self.batcher = batcher
@@ -50,6 +51,8 @@ class LLMEngine:
         self._rng = random.Random()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.overlap = overlap  # launch step N+1 before reading step N's tokens (CUDA)
+        self._inflight: LaunchedStep | None = None
 
     # --- called from any thread ---
     def add_request(self, request: GenerationRequest) -> None:
@@ -120,10 +123,7 @@ class LLMEngine:
     def step(self) -> list[StepOutput]:
         self.blocks.begin_step()  # the host -> device restore budget is per step
         plan = self.batcher.schedule()
-        outputs = [StepOutput(s.request_id, [], True, "error", "the request needs more KV cache than the node has")
-                   for s in plan.rejected]
-        for seq in plan.rejected:
-            self._by_id.pop(seq.request_id, None)
+        outputs = self._rejected(plan)
         self.counters.preemptions += len(plan.preempted)
         if not plan.chunks:
             return outputs
@@ -155,13 +155,87 @@ class LLMEngine:
         self.batcher.step_done(plan, self.counters.last_step_s)  # step-time model, TTFT per tier
         return outputs
 
+    # --- overlapped steps: launch step N+1 before reading step N's tokens ---
+    def step_overlapped(self) -> list[StepOutput]:
+        """Schedule and launch the next step, then read back the one in flight: the host's work for
+        step N+1 (scheduling, building its tensors, launching) runs while the device computes step N.
+
+        Step N+1 takes each decoding sequence's step-N token straight from the device (a placeholder
+        in token_ids until it is read). A sequence that ends on that token has one wasted row in
+        step N+1; one that ends by length is not scheduled again.
+        """
+        prev, self._inflight = self._inflight, None
+        self.blocks.begin_step()
+        plan = self.batcher.schedule()
+        outputs = self._rejected(plan)
+        self.counters.preemptions += len(plan.preempted)
+        if plan.chunks:
+            launched = self.runner.launch(plan, prev)
+            self._advance(launched)
+            self._inflight = launched
+        if prev is not None:
+            outputs.extend(self._resolve(prev))
+        return outputs
+
+    def _advance(self, launched: LaunchedStep) -> None:
+        """Book what a launched step computes before its tokens are known."""
+        now = time.monotonic()
+        for chunk in launched.plan.chunks:
+            seq = chunk.seq
+            if seq.first_scheduled_at is None:
+                seq.first_scheduled_at = now
+            if seq.num_computed < seq.num_prompt_tokens:
+                self.counters.prefill_tokens += min(chunk.num_new_tokens, seq.num_prompt_tokens - seq.num_computed)
+            seq.num_computed += chunk.num_new_tokens
+        for seq, index in zip(launched.sampled, launched.index):
+            if not seq.reaches_length(index, self.max_model_len):
+                seq.token_ids.append(PLACEHOLDER)  # decoded next step from the device copy
+
+    def _resolve(self, launched: LaunchedStep) -> list[StepOutput]:
+        """Read a finished step's tokens into its sequences and report them."""
+        tokens = launched.result()
+        now = time.monotonic()
+        outputs = []
+        for seq, index, token in zip(launched.sampled, launched.index, tokens):
+            if seq.status is SequenceStatus.FINISHED:
+                continue  # ended (or was cancelled) while this step was in flight
+            self.counters.decode_tokens += 1
+            if seq.first_token_at is None:
+                seq.first_token_at = now
+            seq.record(index, token, self.max_model_len)
+            out = StepOutput(seq.request_id, [token], seq.status is SequenceStatus.FINISHED, seq.finish_reason)
+            if out.finished:
+                self.batcher.remove(seq)  # a step in flight may still write its blocks: stream order keeps that safe
+                self._by_id.pop(seq.request_id, None)
+            outputs.append(out)
+        # Every token below num_computed is known now (the step in flight reads only tokens
+        # resolved here), so full blocks can be named for the prefix cache.
+        for chunk in launched.plan.chunks:
+            if chunk.seq.status is not SequenceStatus.FINISHED:
+                self.blocks.commit(chunk.seq)
+        self.counters.steps += 1
+        self.counters.last_step_s = time.perf_counter() - launched.launched_at
+        self.counters.last_batch_size = len(launched.plan.chunks)
+        self.batcher.step_done(launched.plan, self.counters.last_step_s)
+        return outputs
+
+    def _rejected(self, plan) -> list[StepOutput]:
+        for seq in plan.rejected:
+            self._by_id.pop(seq.request_id, None)
+        return [StepOutput(s.request_id, [], True, "error", "the request needs more KV cache than the node has")
+                for s in plan.rejected]
+
+    def has_work(self) -> bool:
+        return self.batcher.has_work() or self._inflight is not None
+
     def run(self) -> None:
         log.info("engine loop started")
+        step = self.step_overlapped if self.overlap else self.step
         while not self._stop.is_set():
-            outputs = self._drain_inbox(block=not self.batcher.has_work())
-            if self.batcher.has_work():
+            outputs = self._drain_inbox(block=not self.has_work())
+            if self.has_work():
                 try:
-                    outputs.extend(self.step())
+                    outputs.extend(step())
                 except Exception as exc:  # a failed step ends its sequences, not the daemon
                     log.exception("engine step failed")
                     outputs.extend(self._fail_all(str(exc)))
@@ -171,6 +245,7 @@ class LLMEngine:
         log.info("engine loop stopped")
 
     def _fail_all(self, reason: str) -> list[StepOutput]:
+        self._inflight = None
         outputs = []
         for request_id, seq in list(self._by_id.items()):
             self.batcher.remove(seq)

@@ -1,6 +1,8 @@
 """Turns a step plan into tensors, runs the model, and samples the next tokens."""
 from __future__ import annotations
 
+import time
+
 import torch
 
 from edged import kernels
@@ -9,6 +11,7 @@ from edged.models.llama import LlamaModel
 from edged.scheduler.batcher import StepPlan
 
 from .cuda_graphs import DecodeGraphs
+from .sequence import Sequence
 
 
 class ModelRunner:
@@ -31,19 +34,31 @@ class ModelRunner:
         t = torch.tensor(data, dtype=dtype)
         return t.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else t
 
-    def prepare(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        """input ids, positions, attention metadata, and the rows whose logits are sampled."""
+    def prepare(self, plan: StepPlan, prev: LaunchedStep | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        """input ids, positions, attention metadata, and the rows whose logits are sampled.
+        A PLACEHOLDER input token (sampled by `prev`, still on the device) is filled on the device."""
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         cu = [0]
         context_lens: list[int] = []
         sample_rows: list[int] = []
+        fill_rows: list[int] = []
+        fill_from: list[int] = []
         bs = self.block_size
         for chunk in plan.chunks:
             seq, start = chunk.seq, chunk.seq.num_computed
             end = start + chunk.num_new_tokens
-            ids.extend(seq.token_ids[start:end])
+            new = seq.token_ids[start:end]
+            if PLACEHOLDER in new:
+                if prev is None:
+                    raise RuntimeError(f"sequence {seq.request_id} has an unsampled token but no step in flight")
+                for i, t in enumerate(new):
+                    if t == PLACEHOLDER:
+                        fill_rows.append(len(ids) + i)
+                        fill_from.append(prev.row_of(seq, start + i))
+            ids.extend(new)
             positions.extend(range(start, end))
             table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
@@ -60,29 +75,79 @@ class ModelRunner:
             context_lens=self._tensor(context_lens, torch.int32),
             cu_seqlens_q=self._tensor(cu, torch.int32),
         )
-        return self._tensor(ids, torch.int64), self._tensor(positions, torch.int64), meta, sample_rows
+        input_ids = self._tensor([0 if t == PLACEHOLDER else t for t in ids], torch.int64)
+        if fill_rows:
+            input_ids[self._tensor(fill_rows, torch.int64)] = prev.tokens[self._tensor(fill_from, torch.int64)]
+        return input_ids, self._tensor(positions, torch.int64), meta, sample_rows
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> list[int | None]:
-        """Run one step; returns the sampled token per chunk (None where a prompt is not done yet)."""
-        input_ids, positions, meta, rows = self.prepare(plan)
+    def launch(self, plan: StepPlan, prev: LaunchedStep | None = None) -> LaunchedStep:
+        """Queue one step on the device and return at once; its tokens reach the host when asked."""
+        input_ids, positions, meta, rows = self.prepare(plan, prev)
+        sampled = [c.seq for c in plan.chunks if c.completes_prompt]
+        index = [c.seq.num_tokens for c in plan.chunks if c.completes_prompt]
         if not rows:
             self.model.forward(input_ids, positions, meta, self.kv)
-            return [None] * len(plan.chunks)
+            return LaunchedStep(plan, [], [], None)
         if meta.is_decode and self.graphs is not None and self.graphs.bucket_for(len(rows)) is not None:
             logits = self.graphs.replay(input_ids, positions, meta)
         else:
             hidden = self.model.forward(input_ids, positions, meta, self.kv)
             logits = self.model.logits(hidden[self._tensor(rows, torch.int64)])
-        sampled_seqs = [c.seq for c in plan.chunks if c.completes_prompt]
-        sp = [s.request.sampling for s in sampled_seqs]
-        tokens = kernels.sample(
-            logits,
-            self._tensor([p.temperature for p in sp], torch.float32),
-            self._tensor([p.top_k for p in sp], torch.int64),
-            self._tensor([p.top_p for p in sp], torch.float32),
-            self._tensor([s.seed for s in sampled_seqs], torch.int64),
-            self._tensor([s.num_generated for s in sampled_seqs], torch.int64),
-        ).tolist()
-        it = iter(tokens)
+        sp = [s.request.sampling for s in sampled]
+        if all(p.temperature <= 0 for p in sp):
+            tokens = logits.argmax(dim=-1)  # decided on the host: no device sync before the next launch
+        else:
+            tokens = kernels.sample(
+                logits,
+                self._tensor([p.temperature for p in sp], torch.float32),
+                self._tensor([p.top_k for p in sp], torch.int64),
+                self._tensor([p.top_p for p in sp], torch.float32),
+                self._tensor([s.seed for s in sampled], torch.int64),
+                self._tensor([s.num_generated for s in sampled], torch.int64),
+            )
+        return LaunchedStep(plan, sampled, index, tokens)
+
+    def execute(self, plan: StepPlan) -> list[int | None]:
+        """Run one step to the end; the sampled token per chunk (None where a prompt is not done yet)."""
+        launched = self.launch(plan)
+        it = iter(launched.result())
         return [next(it) if c.completes_prompt else None for c in plan.chunks]
+
+
+PLACEHOLDER = -1  # a token sampled by a step still in flight
+
+
+class LaunchedStep:
+    """A step queued on the device. Its sampled tokens are copied to pinned host memory behind the
+    step, so reading them waits for this step only, not for one launched after it."""
+
+    def __init__(self, plan: StepPlan, sampled: list[Sequence], index: list[int], tokens: torch.Tensor | None) -> None:
+        self.plan = plan
+        self.sampled = sampled  # sequences whose next token this step samples, in row order
+        self.index = index  # where each sampled token goes in its sequence's token_ids
+        self.tokens = tokens  # [len(sampled)] on the device
+        self.launched_at = time.perf_counter()
+        self._rows = {(id(s), i): r for r, (s, i) in enumerate(zip(sampled, index))}
+        self._host: torch.Tensor | None = None
+        self._done: torch.cuda.Event | None = None
+        if tokens is not None and tokens.is_cuda:
+            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self._host.copy_(tokens, non_blocking=True)
+            self._done = torch.cuda.Event()
+            self._done.record()
+
+    def row_of(self, seq: Sequence, index: int) -> int:
+        """The row of this step's tokens that holds seq's token at `index`."""
+        row = self._rows.get((id(seq), index))
+        if row is None:
+            raise RuntimeError(f"token {index} of {seq.request_id} is not sampled by the step in flight")
+        return row
+
+    def result(self) -> list[int]:
+        if self.tokens is None:
+            return []
+        if self._done is not None:
+            self._done.synchronize()
+            return self._host.tolist()
+        return self.tokens.tolist()

@@ -51,13 +51,27 @@ class Sequence:
 
     def append(self, token: int, max_model_len: int) -> None:
         """Add a sampled token and decide whether the sequence is finished."""
-        self.token_ids.append(token)
+        self.record(len(self.token_ids), token, max_model_len)
+
+    def record(self, index: int, token: int, max_model_len: int) -> None:
+        """Put a sampled token at `index` (appending, or filling the placeholder an overlapped step
+        left there) and decide whether the sequence is finished; a finished sequence drops any
+        placeholder after it."""
+        if index == len(self.token_ids):
+            self.token_ids.append(token)
+        else:
+            self.token_ids[index] = token
         sp = self.request.sampling
         if not sp.ignore_eos and token in self.eos_token_ids:
             self.finish_reason = "stop"
         elif token in sp.stop_token_ids:
             self.finish_reason = "stop"
-        elif self.num_generated >= sp.max_tokens or self.num_tokens >= max_model_len:
+        elif self.reaches_length(index, max_model_len):
             self.finish_reason = "length"
         if self.finish_reason:
             self.status = SequenceStatus.FINISHED
+            del self.token_ids[index + 1:]
+
+    def reaches_length(self, index: int, max_model_len: int) -> bool:
+        """A token at `index` is the last one max_tokens or the context allows."""
+        return index + 1 - self.num_prompt_tokens >= self.request.sampling.max_tokens or index + 1 >= max_model_len

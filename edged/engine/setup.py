@@ -41,6 +41,7 @@ class EngineSettings:
     prefix_caching: bool = True
     num_kv_blocks: int | None = None  # None: sized from free memory
     cuda_graphs: bool = True
+    overlap_steps: bool = True  # on CUDA: launch step N+1 before reading back step N's tokens
     host_spill_bytes: int = 0  # host tier for evicted prefix blocks (pinned on CUDA); 0: off
     transfer_budget_bytes: int | None = None  # host -> device restore bytes per step; None: unlimited
 
@@ -115,7 +116,8 @@ def build_engine(loaded: LoadedModel, settings: EngineSettings) -> AsyncEngine:
     runner = ModelRunner(model, kv)
     if settings.cuda_graphs:
         runner.enable_cuda_graphs(settings.max_num_seqs, max_model_len)
-    engine = LLMEngine(runner, blocks, batcher, max_model_len, cfg.eos_token_ids, lambda _: None)
+    overlap = settings.overlap_steps and device.type == "cuda"
+    engine = LLMEngine(runner, blocks, batcher, max_model_len, cfg.eos_token_ids, lambda _: None, overlap)
     log.info("engine built %s", fields(model=loaded.model_id, device=device, dtype=str(dtype).removeprefix("torch."),
                                        quant=settings.quant, weight_mb=weights.nbytes >> 20, kv_blocks=num_blocks,
                                        block_size=settings.block_size, max_model_len=max_model_len,
