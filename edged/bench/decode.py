@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 import torch
 
-from edged import kernels
 from edged.engine.cuda_graphs import DecodeGraphs
 from edged.models.batch import KVCache
 from edged.models.config import MODEL_SHAPES, ModelConfig
@@ -64,17 +63,14 @@ def build_model(cfg: ModelConfig, quant: str, dtype: torch.dtype) -> LlamaModel:
 
 
 def time_decode(model: LlamaModel, batch: int, steps: int, dtype: torch.dtype) -> float:
-    """Seconds per decode step for `batch` sequences at CONTEXT tokens (graph replay + greedy sample)."""
+    """Seconds per decode step for `batch` sequences at CONTEXT tokens (graph replay + greedy sample,
+    tokens fed back on the device: the device-side cost of a step, without the engine's host work)."""
     cfg = model.config
     per_seq = -(-(CONTEXT + steps + 8) // BLOCK)
     kv = KVCache.allocate(cfg.num_layers, batch * per_seq, BLOCK, cfg.num_kv_heads, cfg.head_dim, dtype, "cuda")
     graphs = DecodeGraphs(model, kv, batch, per_seq, buckets=(batch,))
     graphs.block_tables.copy_(torch.arange(batch * per_seq, dtype=torch.int32, device="cuda").view(batch, per_seq))
     graphs.capture()
-    temp = torch.zeros(batch, device="cuda")
-    top_k = torch.zeros(batch, dtype=torch.int64, device="cuda")
-    top_p = torch.ones(batch, device="cuda")
-    seeds = torch.zeros(batch, dtype=torch.int64, device="cuda")
     rows = torch.arange(batch, device="cuda")
 
     def step(i: int) -> None:
@@ -83,7 +79,7 @@ def time_decode(model: LlamaModel, batch: int, steps: int, dtype: torch.dtype) -
         graphs.context_lens.fill_(pos + 1)
         graphs.slot_mapping.copy_(graphs.block_tables[rows, pos // BLOCK].long() * BLOCK + pos % BLOCK)
         graphs.graphs[batch].replay()
-        graphs.input_ids.copy_(kernels.sample(graphs.logits[batch], temp, top_k, top_p, seeds, seeds))
+        graphs.input_ids.copy_(graphs.logits[batch].argmax(dim=-1))  # greedy, as the runner: no host sync
 
     for i in range(3):
         step(i)
