@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import random
 
-import pytest
 
 from engine_fixtures import request, run_overlapped, run_to_completion, tiny_engine
 

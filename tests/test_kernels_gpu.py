@@ -5,9 +5,6 @@ Errors are relative, ||out - ref|| / ||ref||, against the reference run in float
 """
 from __future__ import annotations
 
-import math
-import sys
-
 import pytest
 import torch
 

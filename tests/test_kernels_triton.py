@@ -341,8 +341,8 @@ def test_attention_prefill_gqa_odd_group_and_head_dim() -> None:
     hq, hkv, d, block = 6, 2, 40, 4  # group 3, head_dim not a power of two
     ctx, new = [9, 17], [9, 6]
     kc, vc, ks, vs, tables = _paged(ctx, hkv, d, block, torch.float32, False, seed=5)
-    cu = torch.tensor([0, 9, 15], dtype=torch.int32)
-    q = torch.randn(15, hq, d)
+    cu = torch.tensor([0, new[0], new[0] + new[1]], dtype=torch.int32)
+    q = torch.randn(sum(new), hq, d)
     lens = torch.tensor(ctx, dtype=torch.int32)
     want = reference.attention_prefill(q, kc, vc, tables, cu, lens, 0.2)
     got = tattn.attention_prefill(q, kc, vc, tables, cu, lens, 0.2, block_m=16)
