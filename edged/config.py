@@ -614,8 +614,7 @@ def warnings(config: Config) -> list[str]:
     """Valid but probably unintended settings (logged at startup, shown by check-config)."""
     out = []
     host = config.server.host
-    loopback = host == "localhost" or (_is_ip(host) and ipaddress.ip_address(host).is_loopback)
-    if not config.auth.enabled and not loopback:
+    if not config.auth.enabled and not is_loopback(host):
         out.append(f"auth.enabled is false and server.listen is {config.server.listen}: "
                    "anyone who can reach this port can use the API")
     if config.auth.enabled and not config.auth.metrics_loopback_only and not config.auth.metrics_requires_key:
@@ -623,12 +622,16 @@ def warnings(config: Config) -> list[str]:
     return out
 
 
-def _is_ip(host: str) -> bool:
+def is_loopback(host: str | None) -> bool:
+    """A loopback name or address (127.0.0.0/8, ::1, and ::ffff:127.x from a dual-stack socket)."""
+    if host == "localhost":
+        return True
     try:
-        ipaddress.ip_address(host)
+        addr = ipaddress.ip_address((host or "").strip("[]").split("%")[0])
     except ValueError:
         return False
-    return True
+    mapped = getattr(addr, "ipv4_mapped", None)
+    return addr.is_loopback or (mapped is not None and mapped.is_loopback)
 
 
 def check_config(path: str | Path) -> tuple[bool, list[str]]:

@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from edged.config import Config, ConfigError, apply_overrides, load_config, reload_config, warnings
+from edged.config import Config, ConfigError, apply_overrides, is_loopback, load_config, reload_config, warnings
 from edged.engine.async_engine import AsyncEngine
 from edged.engine.request import GenerationRequest, SamplingParams
 from edged.engine.setup import EngineSettings, build_engine
@@ -174,17 +174,14 @@ class Daemon:
             m.e2e.labels(tier).observe(rec.duration_s)
 
     async def _metrics_route(self, req) -> None:
+        from edged.config import hash_api_key
         from edged.server.openai_wire import WireError
 
         auth = self.config.auth
-        loopback = req.peer_host in ("127.0.0.1", "::1") or (req.peer_host or "").startswith("127.")
-        key_ok = False
-        if auth.metrics_requires_key or (auth.metrics_loopback_only and not loopback):
+        if auth.metrics_requires_key or (auth.metrics_loopback_only and not is_loopback(req.peer_host)):
             presented = (req.header("authorization") or "").partition(" ")[2].strip()
-            from edged.config import hash_api_key
-            key_ok = bool(presented) and any(k.sha256 == hash_api_key(presented) for k in auth.keys)
-            if not key_ok:
-                raise WireError(403 if not auth.metrics_requires_key else 401,
+            if not presented or hash_api_key(presented) not in {k.sha256 for k in auth.keys}:
+                raise WireError(401 if auth.metrics_requires_key else 403,
                                 "/metrics is served to loopback clients or with an API key.", code="forbidden")
         req.respond(200, self.metrics.render(), "text/plain; version=0.0.4; charset=utf-8")
 

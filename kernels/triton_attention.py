@@ -35,6 +35,39 @@ def _as_operand(x, dtype: tl.constexpr, INT8: tl.constexpr):
 
 
 @triton.jit
+def _tile_scores(q, k_ptr, v_ptr, bt_row, t, tmask, d, dmask, block_size, kvh, ks_ptr,
+                 stride_kn, stride_ks, stride_kh, stride_vn, stride_vs, stride_vh,
+                 stride_sn, stride_ss, stride_sh, INT8: tl.constexpr):
+    """Load the K/V tile of cached tokens t for one kv head; return (q.K^T, V, the int8 scale offsets)."""
+    k_off = _kv_offsets(bt_row, t, tmask, block_size, stride_kn, stride_ks) + kvh * stride_kh
+    v_off = _kv_offsets(bt_row, t, tmask, block_size, stride_vn, stride_vs) + kvh * stride_vh
+    kv_mask = tmask[:, None] & dmask[None, :]
+    k = tl.load(k_ptr + k_off[:, None] + d[None, :], mask=kv_mask, other=0)
+    v = tl.load(v_ptr + v_off[:, None] + d[None, :], mask=kv_mask, other=0)
+    s = tl.dot(q, tl.trans(_as_operand(k, q.dtype, INT8)))
+    if INT8:
+        s_off = _kv_offsets(bt_row, t, tmask, block_size, stride_sn, stride_ss) + kvh * stride_sh
+        s = s * tl.load(ks_ptr + s_off, mask=tmask, other=0.0)[None, :]
+    else:
+        s_off = k_off  # no scales to read
+    return s, v, s_off
+
+
+@triton.jit
+def _softmax_step(q, s, v, m_i, l_i, acc, vs_ptr, s_off, tmask, INT8: tl.constexpr):
+    """One online-softmax update (base 2) of the running max, sum and output with a tile's scores."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None]
+    if INT8:
+        p = p * tl.load(vs_ptr + s_off, mask=tmask, other=0.0)[None, :]
+    acc += tl.dot(p.to(q.dtype), _as_operand(v, q.dtype, INT8))
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, out_ptr, po_ptr, plse_ptr,
                    qk_scale, block_size, num_splits, num_heads, group, head_dim,
                    stride_qb, stride_qh, stride_kn, stride_ks, stride_kh, stride_vn, stride_vs, stride_vh,
@@ -64,25 +97,11 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, out_pt
     for t0 in range(lo, hi, BLOCK_T):
         t = t0 + tl.arange(0, BLOCK_T)
         tmask = t < hi
-        k_off = _kv_offsets(bt_row, t, tmask, block_size, stride_kn, stride_ks) + kvh * stride_kh
-        v_off = _kv_offsets(bt_row, t, tmask, block_size, stride_vn, stride_vs) + kvh * stride_vh
-        kv_mask = tmask[:, None] & dmask[None, :]
-        k = tl.load(k_ptr + k_off[:, None] + d[None, :], mask=kv_mask, other=0)
-        v = tl.load(v_ptr + v_off[:, None] + d[None, :], mask=kv_mask, other=0)
-        s = tl.dot(q, tl.trans(_as_operand(k, q.dtype, INT8)))
-        if INT8:
-            s_off = _kv_offsets(bt_row, t, tmask, block_size, stride_sn, stride_ss) + kvh * stride_sh
-            s = s * tl.load(ks_ptr + s_off, mask=tmask, other=0.0)[None, :]
+        s, v, s_off = _tile_scores(q, k_ptr, v_ptr, bt_row, t, tmask, d, dmask, block_size, kvh, ks_ptr,
+                                   stride_kn, stride_ks, stride_kh, stride_vn, stride_vs, stride_vh,
+                                   stride_sn, stride_ss, stride_sh, INT8)
         s = tl.where(tmask[None, :], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None]
-        if INT8:
-            p = p * tl.load(vs_ptr + s_off, mask=tmask, other=0.0)[None, :]
-        acc += tl.dot(p.to(q.dtype), _as_operand(v, q.dtype, INT8))
-        m_i = m_new
+        m_i, l_i, acc = _softmax_step(q, s, v, m_i, l_i, acc, vs_ptr, s_off, tmask, INT8)
     o_mask = gmask[:, None] & dmask[None, :]
     if SPLIT:
         # normalized partial output and its log2-sum-exp; an empty split leaves lse = -inf
@@ -157,27 +176,13 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, cu_ptr, lens_pt
         for t0 in range(0, end, BLOCK_N):
             t = t0 + tl.arange(0, BLOCK_N)
             tmask = t < end
-            k_off = _kv_offsets(bt_row, t, tmask, block_size, stride_kn, stride_ks) + kvh * stride_kh
-            v_off = _kv_offsets(bt_row, t, tmask, block_size, stride_vn, stride_vs) + kvh * stride_vh
-            kv_mask = tmask[:, None] & dmask[None, :]
-            k = tl.load(k_ptr + k_off[:, None] + d[None, :], mask=kv_mask, other=0)
-            v = tl.load(v_ptr + v_off[:, None] + d[None, :], mask=kv_mask, other=0)
-            s = tl.dot(q, tl.trans(_as_operand(k, q.dtype, INT8)))
-            if INT8:
-                s_off = _kv_offsets(bt_row, t, tmask, block_size, stride_sn, stride_ss) + kvh * stride_sh
-                s = s * tl.load(ks_ptr + s_off, mask=tmask, other=0.0)[None, :]
+            s, v, s_off = _tile_scores(q, k_ptr, v_ptr, bt_row, t, tmask, d, dmask, block_size, kvh, ks_ptr,
+                                       stride_kn, stride_ks, stride_kh, stride_vn, stride_vs, stride_vh,
+                                       stride_sn, stride_ss, stride_sh, INT8)
             # key 0 is visible to every row (padding rows included), so m_i is finite after step one
             visible = (t[None, :] <= pos[:, None]) & tmask[None, :]
             s = tl.where(visible, s * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None]
-            if INT8:
-                p = p * tl.load(vs_ptr + s_off, mask=tmask, other=0.0)[None, :]
-            acc += tl.dot(p.to(q.dtype), _as_operand(v, q.dtype, INT8))
-            m_i = m_new
+            m_i, l_i, acc = _softmax_step(q, s, v, m_i, l_i, acc, vs_ptr, s_off, tmask, INT8)
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + rows[:, None] * stride_ot + h * stride_oh + d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=imask[:, None] & dmask[None, :])

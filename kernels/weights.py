@@ -45,6 +45,15 @@ class LinearWeight:
         return LinearWeight(self.format, move(self.data), move(self.scale), move(self.minimum),
                             self.group_size, move(self.bias))
 
+    def astype(self, dtype: torch.dtype) -> "LinearWeight":
+        """The same weight with its floating-point parts (dense data, scales, minimums, bias) in dtype;
+        packed integers stay as they are."""
+        def cast(t: torch.Tensor | None) -> torch.Tensor | None:
+            return t if t is None or not t.is_floating_point() else t.to(dtype)
+
+        return LinearWeight(self.format, cast(self.data), cast(self.scale), cast(self.minimum), self.group_size,
+                            cast(self.bias))
+
 
 def dequantize(w: LinearWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The weight as a dense ``[out, in]`` tensor (the oracle for every linear kernel)."""

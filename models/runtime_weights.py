@@ -25,24 +25,20 @@ def to_runtime_linear(src: torch.Tensor | LinearWeight, bias: torch.Tensor | Non
     """
     if quant not in QUANT_MODES:
         raise ValueError(f"quant must be one of {QUANT_MODES}, got {quant!r}")
-    b = None if bias is None else bias.to(dtype)
     is_packed = isinstance(src, LinearWeight)
     if quant == "auto":
         quant = "w4" if (is_packed and src.format == "w4" and device.type == "cuda") else "none"
     if quant == "w4" and is_packed and src.format == "w4":
-        w = LinearWeight("w4", src.data, src.scale.to(dtype), src.minimum.to(dtype), src.group_size, b)
-        return w.to(device)
-    dense = dequantize(src, torch.float32) if is_packed else src.to(torch.float32)
-    if quant == "none":
-        return LinearWeight("dense", dense.to(dtype), bias=b).to(device)
-    if quant == "w8":
-        w = quantize_w8(dense, b)
+        w = LinearWeight("w4", src.data, src.scale, src.minimum, src.group_size, bias)
     else:
-        w = quantize_w4(dense, group_size, b)
-    w.scale = w.scale.to(dtype)
-    if w.minimum is not None:
-        w.minimum = w.minimum.to(dtype)
-    return w.to(device)
+        dense = dequantize(src, torch.float32) if is_packed else src.to(torch.float32)
+        if quant == "none":
+            w = LinearWeight("dense", dense, bias=bias)
+        elif quant == "w8":
+            w = quantize_w8(dense, bias)
+        else:
+            w = quantize_w4(dense, group_size, bias)
+    return w.astype(dtype).to(device)
 
 
 def _dense(t: torch.Tensor | LinearWeight) -> torch.Tensor:

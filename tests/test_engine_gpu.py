@@ -23,11 +23,11 @@ SMALL = ModelConfig(vocab_size=2048, hidden_size=256, intermediate_size=704, num
 
 def as_cpu_float32(w: LlamaWeights) -> LlamaWeights:
     """The same weights on the CPU: packed data as is, every float tensor exactly widened to float32."""
-    def f(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else (t.cpu() if t.dtype in (torch.int8, torch.uint8) else t.cpu().float())
-
     def lin(x: LinearWeight) -> LinearWeight:
-        return LinearWeight(x.format, f(x.data), f(x.scale), f(x.minimum), x.group_size, f(x.bias))
+        return x.to("cpu").astype(torch.float32)
+
+    def f(t: torch.Tensor) -> torch.Tensor:
+        return t.cpu().float()
 
     layers = [LayerWeights(f(l.input_norm), lin(l.qkv), lin(l.o), f(l.post_norm), lin(l.gate_up), lin(l.down))
               for l in w.layers]

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from edged.kernels import reference
+from edged.bench.kernel_inputs import make_weight
 from edged.kernels.weights import LinearWeight, quantize_w4, quantize_w8
 
 pytest.importorskip("triton")
@@ -105,16 +106,7 @@ def test_kernels_are_interpreted() -> None:
 # ---------------------------------------------------------------------------------------------- linear
 
 def _weight(fmt: str, n: int, k: int, dtype: torch.dtype, bias: bool, group: int = 32) -> LinearWeight:
-    g = torch.Generator().manual_seed(n * 131 + k)
-    dense = torch.randn(n, k, generator=g) * 0.1
-    b = torch.randn(n, generator=g).to(dtype) if bias else None
-    if fmt == "dense":
-        return LinearWeight("dense", dense.to(dtype), bias=b)
-    w = quantize_w8(dense, b) if fmt == "w8" else quantize_w4(dense, group, b)
-    w.scale = w.scale.to(dtype)
-    if w.minimum is not None:
-        w.minimum = w.minimum.to(dtype)
-    return w
+    return make_weight(fmt, n, k, dtype, bias, group, seed=n * 131 + k, device="cpu", std=0.1, bias_std=1.0)
 
 
 def _check_linear(x: torch.Tensor, w: LinearWeight, config=None) -> None:

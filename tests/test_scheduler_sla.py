@@ -364,13 +364,13 @@ def test_a_bronze_request_preempted_for_gold_finishes_with_the_same_output(sampl
 def test_the_real_engine_never_runs_a_batch_above_its_cap() -> None:
     engine = tiered_engine(max_num_seqs=3)
     sizes = []
-    execute = engine.runner.execute
+    launch = engine.runner.launch
 
-    def spy(plan):
+    def spy(plan, prev=None):
         sizes.append(len(plan.chunks))
-        return execute(plan)
+        return launch(plan, prev)
 
-    engine.runner.execute = spy
+    engine.runner.launch = spy
     rng = random.Random(5)
     reqs = [tier_request(f"r{i}", "gold" if i % 3 == 0 else "bronze",
                          [rng.randrange(256) for _ in range(rng.randrange(3, 20))], max_tokens=6) for i in range(10)]

@@ -10,17 +10,17 @@ DEV = torch.device("cuda")
 
 
 def make_weight(fmt: str, n: int, k: int, dtype: torch.dtype, bias: bool = False, group: int = 32,
-                seed: int = 0) -> LinearWeight:
-    g = torch.Generator(device=DEV).manual_seed(seed)
-    dense = torch.randn(n, k, generator=g, device=DEV) * 0.02
-    b = (torch.randn(n, generator=g, device=DEV) * 0.1).to(dtype) if bias else None
+                seed: int = 0, device: torch.device | str = DEV, std: float = 0.02,
+                bias_std: float = 0.1) -> LinearWeight:
+    """A random [n, k] weight in `fmt` (quantized from float32), its float parts in dtype."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    dense = torch.randn(n, k, generator=g, device=device) * std
+    b = torch.randn(n, generator=g, device=device) * bias_std if bias else None
     if fmt == "dense":
-        return LinearWeight("dense", dense.to(dtype), bias=b)
-    w = quantize_w8(dense, b) if fmt == "w8" else quantize_w4(dense, group, b)
-    w.scale = w.scale.to(dtype)
-    if w.minimum is not None:
-        w.minimum = w.minimum.to(dtype)
-    return w
+        w = LinearWeight("dense", dense, bias=b)
+    else:
+        w = quantize_w8(dense, b) if fmt == "w8" else quantize_w4(dense, group, b)
+    return w.astype(dtype)
 
 
 def paged_cache(ctx_lens: list[int], hkv: int, d: int, block: int, dtype: torch.dtype, int8: bool, seed: int = 0):

@@ -240,20 +240,12 @@ class ResultCache:
         self._entries = self._bytes = 0
 
     @classmethod
-    def open(
-        cls,
-        path: str | os.PathLike[str],
-        max_bytes: int | None,
-        ttl_s: float | None,
-        enabled: bool = True,
-        *,
-        clock: Callable[[], float] = time.time,
-        busy_timeout_s: float = 1.0,
-    ) -> ResultCache:
+    def open(cls, path: str | os.PathLike[str], max_bytes: int | None, ttl_s: float | None, enabled: bool = True,
+             **options: Any) -> ResultCache:
         """Open (or create) the cache file at `path` (see `db_path`). Never raises on a bad file:
         it is moved aside; if even a fresh file cannot be made, the cache runs unavailable
         (every get is a miss). With enabled=False the file is not touched until enabled."""
-        cache = cls(path, max_bytes, ttl_s, enabled, clock=clock, busy_timeout_s=busy_timeout_s)
+        cache = cls(path, max_bytes, ttl_s, enabled, **options)  # options: clock, busy_timeout_s
         if enabled:
             with cache._lock:
                 cache._conn = cache._connect()

@@ -121,41 +121,12 @@ class LLMEngine:
         return StepOutput(request_id, [], True, "cancelled")
 
     def step(self) -> list[StepOutput]:
-        self.blocks.begin_step()  # the host -> device restore budget is per step
-        plan = self.batcher.schedule()
-        outputs = self._rejected(plan)
-        self.counters.preemptions += len(plan.preempted)
-        if not plan.chunks:
-            return outputs
-        start = time.perf_counter()
-        tokens = self.runner.execute(plan)
-        now = time.monotonic()
-        for chunk, token in zip(plan.chunks, tokens):
-            seq = chunk.seq
-            if seq.first_scheduled_at is None:
-                seq.first_scheduled_at = now
-            if seq.num_computed < seq.num_prompt_tokens:
-                self.counters.prefill_tokens += min(chunk.num_new_tokens, seq.num_prompt_tokens - seq.num_computed)
-            seq.num_computed += chunk.num_new_tokens
-            self.blocks.commit(seq)
-            if token is None:
-                continue
-            self.counters.decode_tokens += 1
-            if seq.first_token_at is None:
-                seq.first_token_at = now  # TTFT (edged.scheduler records it per tier)
-            seq.append(token, self.max_model_len)
-            out = StepOutput(seq.request_id, [token], seq.status is SequenceStatus.FINISHED, seq.finish_reason)
-            if out.finished:
-                self.batcher.remove(seq)
-                self._by_id.pop(seq.request_id, None)
-            outputs.append(out)
-        self.counters.steps += 1
-        self.counters.last_step_s = time.perf_counter() - start
-        self.counters.last_batch_size = len(plan.chunks)
-        self.batcher.step_done(plan, self.counters.last_step_s)  # step-time model, TTFT per tier
+        """Run one step and read its tokens back before returning."""
+        outputs, launched = self._schedule_and_launch(None)
+        if launched is not None:
+            outputs.extend(self._resolve(launched))
         return outputs
 
-    # --- overlapped steps: launch step N+1 before reading step N's tokens ---
     def step_overlapped(self) -> list[StepOutput]:
         """Schedule and launch the next step, then read back the one in flight: the host's work for
         step N+1 (scheduling, building its tensors, launching) runs while the device computes step N.
@@ -164,18 +135,25 @@ class LLMEngine:
         in token_ids until it is read). A sequence that ends on that token has one wasted row in
         step N+1; one that ends by length is not scheduled again.
         """
-        prev, self._inflight = self._inflight, None
-        self.blocks.begin_step()
-        plan = self.batcher.schedule()
-        outputs = self._rejected(plan)
-        self.counters.preemptions += len(plan.preempted)
-        if plan.chunks:
-            launched = self.runner.launch(plan, prev)
-            self._advance(launched)
-            self._inflight = launched
+        prev = self._inflight
+        outputs, self._inflight = self._schedule_and_launch(prev)
         if prev is not None:
             outputs.extend(self._resolve(prev))
         return outputs
+
+    def _schedule_and_launch(self, prev: LaunchedStep | None) -> tuple[list[StepOutput], LaunchedStep | None]:
+        self.blocks.begin_step()  # the host -> device restore budget is per step
+        plan = self.batcher.schedule()
+        for seq in plan.rejected:
+            self._by_id.pop(seq.request_id, None)
+        outputs = [StepOutput(s.request_id, [], True, "error", "the request needs more KV cache than the node has")
+                   for s in plan.rejected]
+        self.counters.preemptions += len(plan.preempted)
+        if not plan.chunks:
+            return outputs, None
+        launched = self.runner.launch(plan, prev)
+        self._advance(launched)
+        return outputs, launched
 
     def _advance(self, launched: LaunchedStep) -> None:
         """Book what a launched step computes before its tokens are known."""
@@ -216,14 +194,8 @@ class LLMEngine:
         self.counters.steps += 1
         self.counters.last_step_s = time.perf_counter() - launched.launched_at
         self.counters.last_batch_size = len(launched.plan.chunks)
-        self.batcher.step_done(launched.plan, self.counters.last_step_s)
+        self.batcher.step_done(launched.plan, self.counters.last_step_s)  # step-time model, TTFT per tier
         return outputs
-
-    def _rejected(self, plan) -> list[StepOutput]:
-        for seq in plan.rejected:
-            self._by_id.pop(seq.request_id, None)
-        return [StepOutput(s.request_id, [], True, "error", "the request needs more KV cache than the node has")
-                for s in plan.rejected]
 
     def has_work(self) -> bool:
         return self.batcher.has_work() or self._inflight is not None

@@ -108,12 +108,6 @@ class ModelRunner:
             )
         return LaunchedStep(plan, sampled, index, tokens)
 
-    def execute(self, plan: StepPlan) -> list[int | None]:
-        """Run one step to the end; the sampled token per chunk (None where a prompt is not done yet)."""
-        launched = self.launch(plan)
-        it = iter(launched.result())
-        return [next(it) if c.completes_prompt else None for c in plan.chunks]
-
 
 PLACEHOLDER = -1  # a token sampled by a step still in flight
 
