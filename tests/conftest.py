@@ -5,7 +5,6 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
 import pytest
 from safetensors.torch import save_file
 
@@ -25,13 +24,6 @@ def gguf_path() -> Path:
 def loaded_model(gguf_path: Path) -> LoadedModel:
     """Shared by every test: treat it as read-only."""
     return load_model(None)
-
-
-def llama_cpp_permute(w: np.ndarray, n_head: int, n_head_kv: int | None) -> np.ndarray:
-    """convert_hf_to_gguf.LlamaModel.permute, verbatim: the q/k row order GGUF files store, which loaders undo."""
-    if n_head_kv is not None and n_head != n_head_kv:
-        n_head = n_head_kv
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 TINY_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -34,12 +34,8 @@ from edged.bench.serve import (
     tier_sequence,
 )
 
-try:
-    from conftest_server import AdmissionRefused, FakeDelta, FakeEngine, ServerThread
-    from daemon_process import free_udp_port, start_daemon
-except ImportError:  # tests/ imported as a package
-    from tests.conftest_server import AdmissionRefused, FakeDelta, FakeEngine, ServerThread
-    from tests.daemon_process import free_udp_port, start_daemon
+from helpers.daemon import free_udp_port, start_daemon
+from helpers.fake_engine import AdmissionRefused, FakeDelta, FakeEngine, ServerThread
 
 
 def result(tier: str = "gold", ttft: float | None = 0.1, e2e: float | None = 1.0, tokens: int = 10,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon_process import start_daemon
+from helpers.daemon import start_daemon
 from edged.cache.result_cache import ResultCache, db_path
 from edged.engine.request import GenerationRequest, SamplingParams
 from edged.engine.setup import EngineSettings, build_engine

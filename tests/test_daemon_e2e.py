@@ -11,7 +11,7 @@ from typing import Iterator
 import msgpack
 import pytest
 
-from daemon_process import DaemonProcess, free_udp_port, start_daemon
+from helpers.daemon import DaemonProcess, free_udp_port, start_daemon
 from edged.server.h3_client import H3Client, iter_sse
 
 pytestmark = pytest.mark.slow

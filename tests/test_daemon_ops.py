@@ -14,7 +14,7 @@ from typing import Iterator
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from daemon_process import DaemonProcess, start_daemon
+from helpers.daemon import DaemonProcess, start_daemon
 from edged.server.h3_client import H3Client, iter_sse
 
 pytestmark = pytest.mark.slow

@@ -4,7 +4,7 @@ from __future__ import annotations
 import random
 
 
-from engine_fixtures import request, run_overlapped, run_to_completion, tiny_engine
+from helpers.tiny_engine import request, run_overlapped, run_to_completion, tiny_engine
 
 
 def prompts(n: int, seed: int = 0) -> list[list[int]]:

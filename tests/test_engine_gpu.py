@@ -13,7 +13,7 @@ from edged.kernels import LinearWeight
 from edged.models.llama import LayerWeights, LlamaModel, LlamaWeights
 from edged.models.runtime_weights import build_weights, random_named_weights
 from edged.scheduler.batcher import Batcher, BatchLimits
-from engine_fixtures import request, run_to_completion
+from helpers.tiny_engine import request, run_to_completion
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -92,7 +92,7 @@ def test_quantized_gpu_engine_matches_the_cpu_engine_on_the_same_quantized_weigh
 
 
 def test_overlapped_gpu_steps_equal_the_cpu_reference_engine() -> None:
-    from engine_fixtures import run_overlapped
+    from helpers.tiny_engine import run_overlapped
 
     reqs = [request(f"r{i}", p, max_tokens=64) for i, p in enumerate(PROMPTS)]
     weights = gpu_weights(torch.bfloat16, "w8")

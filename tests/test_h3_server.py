@@ -26,10 +26,7 @@ from edged.server.h3_client import (
 from edged.server.h3_server import ApiKeyPolicy, ServerSettings
 from edged.server.tls import TLSConfigError, default_ca_file, ensure_cert
 
-try:
-    from conftest_server import SCRIPT, FakeEngine, ServerThread, expected_text, wait_until
-except ImportError:  # tests/ imported as a package
-    from tests.conftest_server import SCRIPT, FakeEngine, ServerThread, expected_text, wait_until
+from helpers.fake_engine import SCRIPT, FakeEngine, ServerThread, expected_text, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -16,14 +16,14 @@ from edged.engine.setup import EngineSettings, host_tier
 from edged.models.batch import KVCache
 from edged.scheduler.batcher import Batcher, BatchLimits
 
-from engine_fixtures import request, run_to_completion, tiny_engine, tiny_model
+from helpers.tiny_engine import request, run_to_completion, tiny_engine, tiny_model
 
 BS = 4  # tokens per block
 
 
 def tiered_engine(num_blocks: int = 16, host_blocks: int = 64, budget: int | None = None,
                   int8: bool = False, prefix_caching: bool = True) -> LLMEngine:
-    """engine_fixtures.tiny_engine with a host tier (host_blocks=0: none) and an int8 option."""
+    """helpers.tiny_engine.tiny_engine with a host tier (host_blocks=0: none) and an int8 option."""
     model = tiny_model()
     c = model.config
     kv = KVCache.allocate(c.num_layers, num_blocks, BS, c.num_kv_heads, c.head_dim, torch.float32, "cpu", int8)

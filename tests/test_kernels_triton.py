@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from edged.kernels import reference
-from edged.bench.kernel_inputs import make_weight
 from edged.kernels.weights import LinearWeight, quantize_w4, quantize_w8
+from helpers.kernel_inputs import make_weight
 
 pytest.importorskip("triton")
 

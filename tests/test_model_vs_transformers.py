@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import llama_cpp_permute
+from helpers.gguf import llama_cpp_permute
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import quantize as gguf_quantize
 

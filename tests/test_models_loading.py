@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import llama_cpp_permute
+from helpers.gguf import llama_cpp_permute
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize

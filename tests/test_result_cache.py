@@ -26,9 +26,9 @@ from edged.cache.result_cache import (
     run_cache_command,
 )
 from edged.engine.request import SamplingParams
-from result_cache_writer import expected_result
+from helpers.cache_writer import expected_result
 
-WRITER = Path(__file__).with_name("result_cache_writer.py")
+WRITER = Path(__file__).parent / "helpers" / "cache_writer.py"
 GREEDY = {"temperature": 0, "top_p": 1.0, "top_k": 0, "seed": None, "max_tokens": 16}
 
 

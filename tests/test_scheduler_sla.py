@@ -20,7 +20,7 @@ from edged.scheduler.simulation import SimClock, SimEngine, StepCost, Workload, 
 from edged.scheduler.step_stats import StepModel, StepStats
 from edged.scheduler.tiers import AdaptPolicy, TierBoard
 from edged.server.openai_wire import WireError
-from engine_fixtures import collect, tiny_model
+from helpers.tiny_engine import collect, tiny_model
 
 LIMITS = BatchLimits(max_num_seqs=32, max_batch_tokens=512)
 COST = StepCost()
@@ -386,7 +386,7 @@ def test_routes_answer_admission_refusals_with_429_and_503_and_retry_after(tmp_p
     import asyncio
     import json
 
-    from conftest_server import FakeEngine, ServerThread
+    from helpers.fake_engine import FakeEngine, ServerThread
     from edged.server.h3_client import H3Client
     from edged.server.h3_server import ServerSettings
     from edged.server.tls import ensure_cert

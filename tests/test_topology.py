@@ -1,4 +1,4 @@
-"""PCIe/NUMA topology -> batch limits. Each test builds one fake sysfs tree (tests/fake_sysfs.py)."""
+"""PCIe/NUMA topology -> batch limits. Each test builds one fake sysfs tree (tests/helpers/sysfs.py)."""
 from __future__ import annotations
 
 import logging
@@ -13,7 +13,7 @@ from edged.scheduler.topology import (
     measure_h2d_bandwidth, normalize_bus_id, parse_cpulist, parse_link_speed, parse_link_width,
     pin_engine_thread, run_topology_command,
 )
-from fake_sysfs import FakeSysfs
+from helpers.sysfs import FakeSysfs
 
 ALL_CPUS = set(range(64))
 MB = 1e6

@@ -1,4 +1,4 @@
-"""Helpers for the HTTP/3 tests: a fake engine with AsyncEngine's API, and a server on its own thread.
+"""For the HTTP/3 tests: a fake engine with AsyncEngine's API, and a server on its own thread.
 
 The fake tokenizes one token per character (token id = code point), so tests can reason about
 lengths exactly. The prompt text selects behaviours:

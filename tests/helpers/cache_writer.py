@@ -1,6 +1,6 @@
 """Writes result-cache entries as fast as it can until it is killed (test_result_cache.py's SIGKILL test).
 
-usage: python result_cache_writer.py DB_PATH MAX_BYTES THREADS
+usage: python tests/helpers/cache_writer.py DB_PATH MAX_BYTES THREADS
 
 Prints "started" once the cache is open and a first entry is committed, then one line per
 committed put (the key), and never stops. Every value is derived from its key (`expected_result`),
