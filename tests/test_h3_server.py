@@ -428,16 +428,37 @@ def test_shutdown_drains_then_ends_streams_with_an_error_event(certs):
         assert wait_until(lambda: "long" in engine.cancelled)
 
 
-def test_draining_server_refuses_new_requests_with_503(certs):
-    with ServerThread(FakeEngine(), *certs) as st:
-        st.server.router.draining = True
-
+def test_shutdown_answers_503_to_new_requests_and_healthz_while_a_stream_finishes(certs):
+    engine = FakeEngine()
+    with ServerThread(engine, *certs) as st:
         async def go():
             async with client(st, certs) as c:
-                r = await c.request("POST", "/v1/chat/completions", JSON, body())
+                rs = await c.stream("POST", "/v1/chat/completions", {**JSON, "x-request-id": "held"},
+                                    body(stream=True, max_tokens=5, messages=[{"role": "user", "content": "[held]"}]))
+                events = iter_sse(rs)
+                assert "role" in json.loads(await events.__anext__())["choices"][0]["delta"]
+                assert json.loads(await events.__anext__())["choices"][0]["delta"]["content"] == "x"
+                # The real shutdown path, as SIGTERM runs it, with a drain timeout far beyond this test.
+                shutdown = asyncio.wrap_future(asyncio.run_coroutine_threadsafe(st.server.shutdown(600), st.loop))
+                for _ in range(500):
+                    health = await c.request("GET", "/healthz")
+                    if health.status != 200:
+                        break
+                    await asyncio.sleep(0.01)
+                assert (health.status, health.json()) == (503, {"status": "draining"})
+                r = await c.request("POST", "/v1/chat/completions", {**JSON, "x-request-id": "late"}, body())
                 assert r.status == 503 and r.headers["retry-after"] == "5"
-                assert (await c.request("GET", "/healthz")).status == 503
+                assert r.json()["error"]["code"] == "shutting_down"
+                assert (await c.request("GET", "/v1/models")).status == 503
+                assert "held" in engine.active and not shutdown.done()  # the stream is still being served
+                engine.release.set()
+                rest = [json.loads(e) for e in [e async for e in events] if e != "[DONE]"]
+                assert "".join(e["choices"][0]["delta"].get("content", "") for e in rest) == "xxxx"
+                assert rest[-1]["choices"][0]["finish_reason"] == "length"
+                await asyncio.wait_for(shutdown, 10)  # done as soon as the last stream ended
         run(go())
+        assert "late" not in [r.request_id for r in engine.requests]  # refused before the engine
+        assert "held" not in engine.cancelled and "held" not in engine.closed
 
 
 def test_api_keys_map_to_tiers_and_rate_limit(certs):

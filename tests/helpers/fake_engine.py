@@ -3,6 +3,7 @@
 The fake tokenizes one token per character (token id = code point), so tests can reason about
 lengths exactly. The prompt text selects behaviours:
   "[slow]"   one token every 50 ms until max_tokens (for resets and back-pressure)
+  "[held]"   one token, then the rest of max_tokens only once the test calls `engine.release.set()`
   "[fail]"   two tokens, then a delta with finish_reason "error"
   "[refuse]" raise an admission error (http_status 429, retry_after 2) before the first delta
   "[crash]"  raise RuntimeError after the first delta
@@ -50,6 +51,7 @@ class FakeEngine:
         self.closed: list[str] = []  # generators closed before finishing
         self.active: set[str] = set()
         self.peak_active = 0
+        self.release = threading.Event()  # lets "[held]" streams finish
         self._lock = threading.Lock()
 
     # -- tokenizer
@@ -89,6 +91,14 @@ class FakeEngine:
                     last = i == limit - 1
                     yield FakeDelta("x", [120], "length" if last else None, n_prompt, i + 1)
                 done = True
+                return
+            if "[held]" in prompt:
+                for i in range(limit):
+                    last = i == limit - 1
+                    done = last
+                    yield FakeDelta("x", [120], "length" if last else None, n_prompt, i + 1)
+                    while not self.release.is_set():
+                        await asyncio.sleep(0.01)
                 return
             if "[fail]" in prompt:
                 yield FakeDelta("a", [97], None, n_prompt, 1)
