@@ -307,7 +307,11 @@ def test_hash_api_key():
 
 
 def test_warnings_for_open_api():
-    assert cfgmod.warnings(Config())  # auth off on 0.0.0.0
+    assert cfgmod.warnings(Config()) == [
+        "auth.enabled is false and server.listen is 0.0.0.0:4433: anyone who can reach this port can use the API"]
+    open_metrics = parse_config({"server": {"listen": "127.0.0.1:4433"}, "auth": {
+        "enabled": True, "metrics_loopback_only": False, "keys": [{"name": "a", "sha256": "0" * 64}]}})
+    assert cfgmod.warnings(open_metrics) == ["/metrics is open to every address without a key (auth.metrics_*)"]
     assert cfgmod.warnings(parse_config({"server": {"listen": "127.0.0.1:4433"}})) == []
     assert cfgmod.warnings(parse_config({"server": {"listen": "[::1]:4433"}})) == []
 
@@ -378,9 +382,10 @@ def test_reload_applies_live_keys_and_keeps_restart_keys(tmp_path, caplog):
 def test_reload_with_invalid_file_raises_and_logs(tmp_path, caplog):
     p = tmp_path / "c.yaml"
     p.write_text("tiers:\n  silver:\n    ttft_target_ms: -5\n")
-    with caplog.at_level(logging.ERROR, logger="edged.config"), pytest.raises(ConfigError):
+    with caplog.at_level(logging.WARNING, logger="edged.config"), pytest.raises(ConfigError):
         reload_config(Config(), p)
     assert "tiers.silver.ttft_target_ms: must be a positive number, got -5" in caplog.text
+    assert [r.levelno for r in caplog.records] == [logging.WARNING]  # one line per rejected reload
 
 
 # ------------------------------------------------------------------------------- check-config

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 
+import msgpack
 import pytest
 
 from edged.server import openai_wire as wire
@@ -272,7 +273,9 @@ def test_msgpack_round_trip_in_pieces():
     objs = [wire.stream_chunk("chat", "c", 1, "m", role=True), wire.stream_chunk("chat", "c", 1, "m", text="é✓"),
             {"done": True}]
     stream = b"".join(wire.msgpack_frame(o) for o in objs[:-1]) + wire.MSGPACK_DONE
-    assert int.from_bytes(stream[:4], "big") == len(stream[4:4 + int.from_bytes(stream[:4], "big")])
+    first = msgpack.packb(objs[0], use_bin_type=True)
+    assert stream[:4] == len(first).to_bytes(4, "big") and stream[4:4 + len(first)] == first
+    assert stream.endswith(wire.MSGPACK_DONE) and msgpack.unpackb(wire.MSGPACK_DONE[4:]) == {"done": True}
     got, rest = [], b""
     for i in range(0, len(stream), 7):  # arbitrary split points
         frames, rest = wire.decode_msgpack_frames(rest + stream[i:i + 7])

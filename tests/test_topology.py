@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from edged.scheduler.topology import (
     measure_h2d_bandwidth, normalize_bus_id, parse_cpulist, parse_link_speed, parse_link_width,
     pin_engine_thread, run_topology_command,
 )
-from helpers.sysfs import FakeSysfs
+from helpers.sysfs import NVIDIA, FakeSysfs
 
 ALL_CPUS = set(range(64))
 MB = 1e6
@@ -268,10 +269,28 @@ def test_pick_gpu_by_bus_id(fs):
     assert normalize_bus_id("3b:00.0") == "0000:3b:00.0"
 
 
-def test_real_sysfs_never_raises():
+def test_real_sysfs_gives_this_machines_gpu_or_the_stated_defaults():
+    devices = Path("/sys/bus/pci/devices")
+    nvidia = sorted(d.name for d in (devices.iterdir() if devices.is_dir() else [])
+                    if _read(d / "vendor") == NVIDIA and _read(d / "class").startswith("0x03"))
     topo = discover()
-    text = describe(topo, compute_limits(topo))
-    assert text.startswith("edged topology")
+    lim = compute_limits(topo)
+    if nvidia:
+        assert topo.bus_id == nvidia[0] and topo.link_width >= 1 and topo.path[-1] == nvidia[0]
+    else:
+        assert topo.bus_id is None and topo.warnings == ["no NVIDIA GPU found in sysfs; using defaults"]
+        assert (topo.link_gen, topo.link_width, topo.hops, lim.pinned_cpus) == (3, 8, 0, [])
+    base = 64 if topo.link_width >= 16 else 32
+    assert lim.batch_cap == max(8, base // (1 + topo.hops))
+    text = describe(topo, lim)
+    assert text.startswith("edged topology") and f"{lim.batch_cap}" in text
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return ""
 
 
 # -- parsing ---------------------------------------------------------------------------------
