@@ -15,6 +15,7 @@ import logging
 import math
 import os
 import re
+import stat
 import sys
 import types
 import typing
@@ -27,6 +28,7 @@ import yaml
 log = logging.getLogger("edged.config")
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+MAX_CONFIG_BYTES = 1 * MiB  # a config is a few KiB; anything larger is refused before it is read
 
 
 def _f(default: Any = MISSING, *, factory: Any = MISSING, **checks: Any) -> Any:
@@ -145,6 +147,8 @@ class LimitsConfig:
     max_tokens_default: int = _f(256, gt=0)
     max_tokens_limit: int = _f(4096, gt=0)
     max_prompt_tokens: int | None = _f(None, gt=0)
+    allow_special_tokens_in_prompt: bool = False  # /v1/completions text may write control tokens
+
 
 
 @dataclass(slots=True)
@@ -483,26 +487,65 @@ def _mapping(loader: _Loader, node: yaml.MappingNode) -> dict:
 _Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping)
 
 
-def load_config(path: str | Path | None, *, missing_ok: bool = True) -> Config:
-    """Read and validate a config file. None, an empty file, or (with missing_ok) an absent file
-    give the defaults. Relative paths inside the file are relative to the file's directory."""
+def read_config_text(path: str | Path, limit: int = MAX_CONFIG_BYTES) -> str:
+    """The text of a config file, refusing anything but a regular file of at most `limit` bytes.
+
+    The size is checked before reading, and at most limit + 1 bytes are ever read (the file may
+    grow in between). O_NONBLOCK: a FIFO put in its place cannot block the reader."""
+    source = str(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise ConfigError([("", "file not found")], source) from None
+    except OSError as e:
+        raise ConfigError([("", f"cannot read: {e.strerror or e}")], source) from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ConfigError([("", "not a regular file")], source)
+        if st.st_size > limit:
+            raise ConfigError([("", _too_large(st.st_size, limit))], source)
+        data = b""
+        while len(data) <= limit and (chunk := os.read(fd, limit + 1 - len(data))):
+            data += chunk
+    except OSError as e:
+        raise ConfigError([("", f"cannot read: {e.strerror or e}")], source) from None
+    finally:
+        os.close(fd)
+    if len(data) > limit:
+        raise ConfigError([("", _too_large(len(data), limit))], source)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError([("", f"cannot read: not UTF-8 text (byte {e.start})")], source) from None
+
+
+def _too_large(size: int, limit: int) -> str:
+    return f"file is too large: {size} bytes, the limit is {limit} bytes ({limit // KiB} KiB)"
+
+
+def load_config(path: str | Path | None, *, missing_ok: bool = True, empty_ok: bool = True) -> Config:
+    """Read and validate a config file. None, an empty file (unless empty_ok=False), or (with
+    missing_ok) an absent file give the defaults. Relative paths inside the file are relative to
+    the file's directory."""
     if path is None:
         return Config()
     path = Path(path)
     source = str(path)
     try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        if missing_ok:
+        text = read_config_text(path)
+    except ConfigError as e:
+        if missing_ok and e.errors == [("", "file not found")]:
             log.warning("config file %s not found; using the defaults", path)
             return Config()
-        raise ConfigError([("", "file not found")], source) from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError([("", f"cannot read: {e}")], source) from None
+        raise
     try:
         data = yaml.load(text, Loader=_Loader)  # noqa: S506 (a SafeLoader subclass)
     except yaml.YAMLError as e:
         raise ConfigError([("", _yaml_reason(e))], source) from None
+    if data is None and not empty_ok:
+        raise ConfigError([("", "the file is empty (no settings); write {} to mean the built-in defaults")],
+                          source)
     return parse_config(data, source, base_dir=path.resolve().parent)
 
 
@@ -580,26 +623,57 @@ def _get(obj: Any, path: str) -> Any:
     return obj
 
 
+# Keys naming files read only at startup: a reload that changes one must name a file that exists,
+# or the next restart would fail.
+STARTUP_FILES = ("model.path", "model.tokenizer", "model.chat_template", "server.certfile", "server.keyfile")
+
+
+def _missing_files(old: Config, new: Config) -> list[tuple[str, str]]:
+    errs = []
+    for key in STARTUP_FILES:
+        value = _get(new, key)
+        if value is not None and value != _get(old, key) and not os.path.exists(value):
+            errs.append((key, f"no such file or directory: {value}"))
+    return errs
+
+
+def access_widened(old: Config, new: Config) -> list[str]:
+    """The auth keys whose change opens the API or /metrics to more clients, as `key: old -> new`."""
+    out = []
+    for key in ("auth.enabled", "auth.metrics_requires_key", "auth.metrics_loopback_only"):
+        if _get(old, key) and not _get(new, key):
+            out.append(f"{key}: true -> false")
+    return out
+
+
 def reload_config(old: Config, path: str | Path | None,
                   overrides: dict[str, Any] | None = None) -> tuple[Config, ConfigDiff]:
     """Re-read the file for SIGHUP: returns (the config now in effect, the diff) and logs what changed.
 
-    Keys that need a restart keep their running values (and are logged as such). An invalid file
-    raises ConfigError after logging each problem; the caller keeps `old`.
+    Fails closed: a file that is missing, unreadable, empty, too large or invalid raises ConfigError
+    (logged as one warning); the caller keeps `old`. Keys that need a restart keep their running
+    values (and are logged as such); one naming a file that does not exist rejects the reload.
     """
     try:
-        new = apply_overrides(load_config(path), **(overrides or {}))
+        loaded = Config() if path is None else load_config(path, missing_ok=False, empty_ok=False)
+        new = apply_overrides(loaded, **(overrides or {}))
+        if missing := _missing_files(old, new):
+            raise ConfigError(missing, str(path))
         diff = diff_config(old, new)
         for key in diff.restart_required:  # keep what is running
             section, _, name = key.partition(".")
             setattr(getattr(new, section), name, _get(old, key))
         effective = parse_config(to_dict(new), str(path))  # old model.* vs new policy must still agree
     except ConfigError as e:
-        for message in e.messages():
-            log.error("config reload rejected, keeping the running config: %s: %s", e.source, message)
+        log.warning("config reload rejected, keeping the running config: %s: %s", e.source, "; ".join(e.messages()))
         raise
+    except Exception as e:  # whatever went wrong, the running config stays
+        log.exception("config reload failed, keeping the running config: %s", path)
+        raise ConfigError([("", f"cannot reload: {e!r}")], str(path)) from e
     for key in diff.restart_required:
         log.warning("config key %s changed; it takes effect after a restart", key)
+    if widened := access_widened(old, effective):
+        log.warning("config reload widens access: %s", ", ".join(widened))
     if diff.live:
         log.info("config reloaded; changed: %s", ", ".join(diff.live))
     elif not diff:
@@ -638,6 +712,8 @@ def check_config(path: str | Path) -> tuple[bool, list[str]]:
     """(valid?, messages): the errors as `key: reason` lines, or the warnings of a valid file."""
     try:
         config = load_config(path, missing_ok=False)
+        if missing := _missing_files(Config(), config):
+            raise ConfigError(missing, str(path))
     except ConfigError as e:
         return False, e.messages()
     return True, [f"warning: {w}" for w in warnings(config)]

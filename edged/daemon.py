@@ -42,6 +42,7 @@ def server_settings(config: Config):
         request_timeout_s=config.server.request_timeout_s,
         max_concurrent_streams=config.server.max_concurrent_streams,
         access_log=config.logging.access_log,
+        allow_special_tokens_in_prompt=config.limits.allow_special_tokens_in_prompt,
     )
 
 
@@ -67,13 +68,16 @@ class Daemon:
         self.pinned_cpus: list[int] = []
         self.transfer_budget: int | None = None
         self._stop = asyncio.Event()
-        self._config_mtime = self._mtime()
+        self._reload_lock = asyncio.Lock()
+        self._config_seen = self._fingerprint()
 
-    def _mtime(self) -> float | None:
+    def _fingerprint(self) -> tuple[int, int, int] | None:
+        """What the watcher compares: the file's mtime, size and inode (None: no file)."""
         try:
-            return os.stat(self.config_path).st_mtime if self.config_path else None
+            st = os.stat(self.config_path) if self.config_path else None
         except OSError:
             return None
+        return None if st is None else (st.st_mtime_ns, st.st_size, st.st_ino)
 
     def _pin_engine_thread(self) -> None:
         if self.pinned_cpus:
@@ -120,7 +124,7 @@ class Daemon:
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, self._stop.set)
         loop.add_signal_handler(signal.SIGINT, self._stop.set)
-        loop.add_signal_handler(signal.SIGHUP, lambda: asyncio.ensure_future(self.reload("SIGHUP")))
+        loop.add_signal_handler(signal.SIGHUP, lambda: asyncio.ensure_future(self._reload_once("SIGHUP")))
         tasks = [asyncio.create_task(Watchdog(self.notifier, self.engine_alive).run()),
                  asyncio.create_task(self._watch_config())]
         status = f"serving {engine.model_id} on {cfg.server.listen} (h3)"
@@ -174,13 +178,12 @@ class Daemon:
             m.e2e.labels(tier).observe(rec.duration_s)
 
     async def _metrics_route(self, req) -> None:
-        from edged.config import hash_api_key
+        from edged.server.auth import lookup
         from edged.server.openai_wire import WireError
 
         auth = self.config.auth
         if auth.metrics_requires_key or (auth.metrics_loopback_only and not is_loopback(req.peer_host)):
-            presented = (req.header("authorization") or "").partition(" ")[2].strip()
-            if not presented or hash_api_key(presented) not in {k.sha256 for k in auth.keys}:
+            if lookup(req.header("authorization"), {k.sha256: k for k in auth.keys}) is None:
                 raise WireError(401 if auth.metrics_requires_key else 403,
                                 "/metrics is served to loopback clients or with an API key.", code="forbidden")
         req.respond(200, self.metrics.render(), "text/plain; version=0.0.4; charset=utf-8")
@@ -192,17 +195,23 @@ class Daemon:
     async def _watch_config(self) -> None:
         while True:
             await asyncio.sleep(CONFIG_POLL_S)
-            mtime = self._mtime()
-            if mtime != self._config_mtime:
-                self._config_mtime = mtime
-                await self.reload("file changed")
+            if not self._reload_lock.locked() and self._fingerprint() != self._config_seen:
+                await self._reload_once("file changed")
+
+    async def _reload_once(self, reason: str) -> None:
+        """One reload at a time; noting the file's fingerprint first keeps the watcher from parsing
+        a change that a SIGHUP already read."""
+        async with self._reload_lock:
+            self._config_seen = self._fingerprint()
+            await self.reload(reason)
 
     async def reload(self, reason: str) -> None:
         """Re-read the config; apply what may change live; keep the old config if the new one is invalid."""
         self.notifier.reloading()
         log.info("reloading config %s", fields(reason=reason, path=self.config_path))
         try:
-            new, diff = reload_config(self.config, self.config_path, self.overrides)
+            # Off the loop: reading and parsing a file (at most 1 MiB) must not stall requests.
+            new, diff = await asyncio.to_thread(reload_config, self.config, self.config_path, self.overrides)
         except ConfigError:
             self.metrics.reloads.labels("rejected").inc()
             self.notifier.ready("config reload rejected; running on the previous config")
@@ -266,6 +275,9 @@ def run_serve_command(args: argparse.Namespace) -> int:
         config = apply_overrides(load_config(args.config, missing_ok=False) if args.config else load_config(None),
                                  **overrides)
     except ConfigError as e:
+        if e.errors == [("", "file not found")]:
+            log.error("cannot start: config file %s not found (from --config)", e.source)
+            return 2
         for m in e.messages():
             log.error("invalid config %s", fields(source=e.source, problem=m))
         return 2

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from aioquic.asyncio import QuicConnectionProtocol
 from aioquic.asyncio import serve as quic_serve
 from aioquic.asyncio.server import QuicServer
-from aioquic.h3.connection import H3_ALPN, ErrorCode, H3Connection
+from aioquic.h3.connection import H3_ALPN, ErrorCode, H3Connection, HeadersState
 from aioquic.h3.events import DataReceived, H3Event, HeadersReceived
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.events import (
@@ -28,6 +28,7 @@ from aioquic.quic.events import (
     ProtocolNegotiated,
     QuicEvent,
     StopSendingReceived,
+    StreamDataReceived,
     StreamReset,
 )
 
@@ -66,7 +67,7 @@ class ServerSettings:
     api_keys: dict[str, ApiKeyPolicy] | None = None  # sha256(key) hex -> policy; None: no authentication
     request_timeout_s: float | None = None  # generation running longer is ended with an error
     max_concurrent_streams: int = 128  # per connection, enforced by QUIC (new connections only)
-    body_timeout_s: float = 30.0  # headers seen but the body never ends: 408
+    body_timeout_s: float = 30.0  # headers not complete within this: reset; the body not within this after them: 408
     idle_timeout_s: float = 60.0  # QUIC idle timeout (new connections only)
     keepalive_s: float = 15.0  # PING interval while a connection has requests in flight
     send_high_water: int = 256 * 1024  # unacknowledged bytes per stream before a write waits
@@ -74,6 +75,7 @@ class ServerSettings:
     max_datagram_frame_size: int = 65536
     drain_retry_after_s: int = 5  # Retry-After of the 503 sent while shutting down
     access_log: bool = True  # one INFO line per finished request (else DEBUG)
+    allow_special_tokens_in_prompt: bool = False  # /v1/completions text may write control tokens
 
 
 class RequestStream:
@@ -328,6 +330,7 @@ class HttpServerProtocol(QuicConnectionProtocol):
         self._requests: dict[int, RequestStream] = {}
         self._drain_waiters: dict[int, asyncio.Future[None]] = {}
         self._keepalive: asyncio.TimerHandle | None = None
+        self._header_timers: dict[int, asyncio.TimerHandle] = {}  # streams whose HEADERS frame is incomplete
 
     @property
     def http(self) -> H3Connection:
@@ -349,7 +352,10 @@ class HttpServerProtocol(QuicConnectionProtocol):
         if self._http is not None:
             for h3_event in self._http.handle_event(event):
                 self._h3_event(h3_event)
+            if isinstance(event, StreamDataReceived):
+                self._watch_headers(event.stream_id)
         if isinstance(event, (StreamReset, StopSendingReceived)):
+            self._unwatch_headers(event.stream_id)
             rs = self._requests.get(event.stream_id)
             if rs is not None:
                 rs.cancel("stream_reset" if isinstance(event, StreamReset) else "stop_sending")
@@ -357,6 +363,9 @@ class HttpServerProtocol(QuicConnectionProtocol):
             for rs in list(self._requests.values()):
                 rs.cancel("connection_lost")
             self._requests.clear()
+            for timer in self._header_timers.values():
+                timer.cancel()
+            self._header_timers.clear()
             for fut in self._drain_waiters.values():
                 if not fut.done():
                     fut.set_result(None)
@@ -365,8 +374,35 @@ class HttpServerProtocol(QuicConnectionProtocol):
                 self._keepalive = None
             self.server._protocols.discard(self)
 
+    def _watch_headers(self, stream_id: int) -> None:
+        """A request stream whose HEADERS frame has not completed gets body_timeout_s to complete it
+        (aioquic reports headers only once whole, so a stalled frame would otherwise hold the stream)."""
+        if stream_id % 4 != 0 or stream_id in self._header_timers or stream_id in self._requests:
+            return  # not client-initiated bidirectional, already watched, or headers already in
+        h3_stream = self.http._stream.get(stream_id)  # aioquic keeps the receive state only here
+        if h3_stream is None or h3_stream.headers_recv_state is not HeadersState.INITIAL:
+            return
+        self._header_timers[stream_id] = self._loop.call_later(
+            self.server.settings.body_timeout_s, self._headers_timed_out, stream_id)
+
+    def _unwatch_headers(self, stream_id: int) -> None:
+        timer = self._header_timers.pop(stream_id, None)
+        if timer is not None:
+            timer.cancel()
+
+    def _headers_timed_out(self, stream_id: int) -> None:
+        self._header_timers.pop(stream_id, None)
+        h3_stream = self.http._stream.get(stream_id)
+        if h3_stream is None or h3_stream.headers_recv_state is not HeadersState.INITIAL:
+            return
+        log.info("request headers timed out %s", fields(stream=stream_id, buffered=len(h3_stream.buffer),
+                                                       timeout_s=self.server.settings.body_timeout_s))
+        self.stop_reading(stream_id, ErrorCode.H3_REQUEST_INCOMPLETE)
+        self.reset_stream(stream_id, ErrorCode.H3_REQUEST_INCOMPLETE)
+
     def _h3_event(self, event: H3Event) -> None:
         if isinstance(event, HeadersReceived):
+            self._unwatch_headers(event.stream_id)
             rs = self._requests.get(event.stream_id)
             if rs is not None:  # trailers
                 if event.stream_ended:
@@ -399,17 +435,17 @@ class HttpServerProtocol(QuicConnectionProtocol):
             return
         super().transmit()
 
-    def reset_stream(self, stream_id: int) -> None:
+    def reset_stream(self, stream_id: int, code: ErrorCode = ErrorCode.H3_REQUEST_CANCELLED) -> None:
         try:
-            self._quic.reset_stream(stream_id, ErrorCode.H3_REQUEST_CANCELLED)
+            self._quic.reset_stream(stream_id, code)
         except Exception as e:
             log.debug("reset failed %s", fields(stream=stream_id, error=repr(e)))
         self.schedule_transmit()
 
-    def stop_reading(self, stream_id: int) -> None:
+    def stop_reading(self, stream_id: int, code: ErrorCode = ErrorCode.H3_NO_ERROR) -> None:
         """Ask the client to stop sending the request body (RFC 9114 4.1.1: H3_NO_ERROR)."""
         try:
-            self._quic.stop_stream(stream_id, ErrorCode.H3_NO_ERROR)
+            self._quic.stop_stream(stream_id, code)
         except Exception as e:
             log.debug("stop_sending failed %s", fields(stream=stream_id, error=repr(e)))
         self.schedule_transmit()

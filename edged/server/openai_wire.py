@@ -18,6 +18,9 @@ import msgpack
 from edged.engine.request import GenerationRequest, SamplingParams
 
 MAX_STOP_STRINGS = 4
+MAX_STOP_TOKEN_IDS = 64
+INT64_MAX = 2**63 - 1  # seeds and top_k are packed into int64 tensors
+SHOWN_CHARS = 40  # a client's value echoed in an error message is cut to this
 MAX_TIER_LEN = 64
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 SSE_DONE = b"data: [DONE]\n\n"
@@ -256,9 +259,16 @@ def _prompt(value: Any) -> str | list[int]:
 
 
 def _token_ids(value: list[int], param: str) -> list[int]:
+    # The vocabulary bound is checked in make_generation_request, which knows the model.
     if any(t < 0 or t >= 1 << 31 for t in value):
         raise _bad(f"'{param}' token ids must be non-negative integers below 2^31.", param, "invalid_value")
     return list(value)
+
+
+def shown(value: Any, limit: int = SHOWN_CHARS) -> str:
+    """A client's value for an error message or a log line, cut so that echoing it costs nothing."""
+    text = str(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def _is_int(v: Any) -> bool:
@@ -273,11 +283,13 @@ def _number(obj: dict, key: str, lo: float, hi: float, *, lo_open: bool = False)
     v = obj.get(key)
     if v is None:
         return None
-    if not _is_number(v):
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise _bad(f"'{key}' must be a number, got {_json_type(v)}.", key, "invalid_type")
+    if not _is_number(v):  # 1e999 parses as infinity
+        raise _bad(f"'{key}' must be a finite number, got {shown(v)}.", key, "invalid_value")
     if v < lo or v > hi or (lo_open and v == lo):
         left = "(" if lo_open else "["
-        raise _bad(f"'{key}' must be in {left}{lo:g}, {hi:g}], got {v}.", key, "invalid_value")
+        raise _bad(f"'{key}' must be in {left}{lo:g}, {hi:g}], got {shown(v)}.", key, "invalid_value")
     return float(v)
 
 
@@ -289,6 +301,14 @@ def _int(obj: dict, key: str) -> int | None:
         v = int(v)
     if not _is_int(v):
         raise _bad(f"'{key}' must be an integer, got {_json_type(v)}.", key, "invalid_type")
+    return v
+
+
+def _int_in(obj: dict, key: str, lo: int, hi: int, hint: str = "") -> int | None:
+    """An optional integer within lo..hi (both included); 400 naming the key otherwise."""
+    v = _int(obj, key)
+    if v is not None and not lo <= v <= hi:
+        raise _bad(f"'{key}' must be in {lo}..{hi}{hint}, got {shown(v)}.", key, "invalid_value")
     return v
 
 
@@ -316,15 +336,15 @@ def _common(obj: dict, p: ParsedRequest, max_tokens_keys: tuple[str, ...]) -> No
 
     n = _int(obj, "n")
     if n is not None and n != 1:
-        raise WireError(400, f"'n' must be 1: this server returns one choice per request, got {n}.", param="n",
-                        code="unsupported_value")
+        raise WireError(400, f"'n' must be 1: this server returns one choice per request, got {shown(n)}.",
+                        param="n", code="unsupported_value")
 
     for key in max_tokens_keys:
         mt = _int(obj, key)
         if mt is None:
             continue
         if mt < 1:
-            raise _bad(f"'{key}' must be at least 1, got {mt}.", key, "invalid_value")
+            raise _bad(f"'{key}' must be at least 1, got {shown(mt)}.", key, "invalid_value")
         p.max_tokens = mt
         break
 
@@ -335,21 +355,20 @@ def _common(obj: dict, p: ParsedRequest, max_tokens_keys: tuple[str, ...]) -> No
     tp = _number(obj, "top_p", 0.0, 1.0, lo_open=True)
     if tp is not None:
         s.top_p = tp
-    tk = _int(obj, "top_k")
+    # Values above the vocabulary are clamped to it in make_generation_request.
+    tk = _int_in(obj, "top_k", -1, INT64_MAX, " (0 or -1: off)")
     if tk is not None:
-        if tk < -1:
-            raise _bad(f"'top_k' must be >= 0 (0 or -1: off), got {tk}.", "top_k", "invalid_value")
         s.top_k = max(tk, 0)
-    seed = _int(obj, "seed")
-    if seed is not None:
-        if not -(2**63) <= seed < 2**64:
-            raise _bad("'seed' must fit in 64 bits.", "seed", "invalid_value")
-        s.seed = seed
+    s.seed = _int_in(obj, "seed", 0, INT64_MAX)
     s.stop = _stop(obj.get("stop"))
     sti = obj.get("stop_token_ids")  # vLLM extension
     if sti is not None:
-        if not isinstance(sti, list) or not all(_is_int(t) and t >= 0 for t in sti):
-            raise _bad("'stop_token_ids' must be an array of non-negative integers.", "stop_token_ids", "invalid_type")
+        if not isinstance(sti, list) or not all(_is_int(t) and 0 <= t < 1 << 31 for t in sti):
+            raise _bad("'stop_token_ids' must be an array of non-negative integers below 2^31.", "stop_token_ids",
+                       "invalid_type")
+        if len(sti) > MAX_STOP_TOKEN_IDS:
+            raise _bad(f"'stop_token_ids' accepts at most {MAX_STOP_TOKEN_IDS} ids, got {len(sti)}.",
+                       "stop_token_ids", "invalid_value")
         s.stop_token_ids = list(sti)
     s.ignore_eos = _bool(obj, "ignore_eos")  # vLLM extension
 
@@ -408,10 +427,13 @@ def make_generation_request(
     default_max_tokens: int,
     max_tokens_limit: int | None = None,
     max_prompt_tokens: int | None = None,
+    vocab_size: int | None = None,
 ) -> GenerationRequest:
-    """Check the prompt against the context and settle max_tokens.
+    """Check the prompt against the context and the vocabulary, and settle max_tokens.
 
     Prompt >= context (or > max_prompt_tokens): 400 context_length_exceeded.
+    A token id (prompt or stop_token_ids) outside the vocabulary: 400 naming the field; top_k above
+    the vocabulary size is clamped to it (the same result: every token is a candidate).
     An explicit max_tokens over max_tokens_limit: 400; one that does not fit the context: 400 (as OpenAI).
     No max_tokens: min(default, limit, room left).
     """
@@ -419,6 +441,9 @@ def make_generation_request(
     what = "messages" if p.kind == "chat" else "prompt"
     if n == 0:
         raise _bad(f"The {what} rendered to zero tokens.", what, "invalid_value")
+    if vocab_size is not None:
+        _check_vocab(prompt_token_ids, vocab_size, what)
+        _check_vocab(p.sampling.stop_token_ids, vocab_size, "stop_token_ids")
     if n >= max_model_len:
         raise WireError(
             400,
@@ -433,14 +458,14 @@ def make_generation_request(
     room = max_model_len - n
     if p.max_tokens is not None:
         if max_tokens_limit is not None and p.max_tokens > max_tokens_limit:
-            raise _bad(f"'max_tokens' must be at most {max_tokens_limit} on this server, got {p.max_tokens}.",
+            raise _bad(f"'max_tokens' must be at most {max_tokens_limit} on this server, got {shown(p.max_tokens)}.",
                        "max_tokens", "invalid_value")
         if p.max_tokens > room:
             raise WireError(
                 400,
                 f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-                f"{n + p.max_tokens} tokens ({n} in the {what}, {p.max_tokens} in the completion). Please reduce "
-                f"the length of the {what} or completion.",
+                f"{shown(n + p.max_tokens)} tokens ({n} in the {what}, {shown(p.max_tokens)} in the completion). "
+                f"Please reduce the length of the {what} or completion.",
                 param="max_tokens", code="context_length_exceeded")
         max_tokens = p.max_tokens
     else:
@@ -449,11 +474,19 @@ def make_generation_request(
             max_tokens = min(max_tokens, max_tokens_limit)
         max_tokens = max(1, max_tokens)
     s = p.sampling
+    top_k = min(s.top_k, vocab_size) if vocab_size is not None else s.top_k
     sampling = SamplingParams(
-        temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed, max_tokens=max_tokens,
+        temperature=s.temperature, top_p=s.top_p, top_k=top_k, seed=s.seed, max_tokens=max_tokens,
         stop=list(s.stop), stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos)
     return GenerationRequest(request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling=sampling,
                              tier=tier)
+
+
+def _check_vocab(ids: list[int], vocab_size: int, param: str) -> None:
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise _bad(f"'{param}' contains token id {bad}, outside this model's vocabulary (0..{vocab_size - 1}).",
+                   param, "invalid_value")
 
 
 # ---------------------------------------------------------------- responses

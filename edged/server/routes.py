@@ -7,16 +7,14 @@ engine work; errors after a stream started become a final `{"error": ...}` event
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import itertools
 import logging
-import math
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from edged.log import fields
+from edged.server import auth
 from edged.server import openai_wire as wire
 from edged.server.openai_wire import ParsedRequest, WireError
 
@@ -24,12 +22,17 @@ if TYPE_CHECKING:
     from edged.cache.result_front import ResultCacheFront
     from edged.scheduler.admission import AdmissionController
     from edged.engine.request import GenerationRequest
-    from edged.server.h3_server import ApiKeyPolicy, RequestStream, ServerSettings
+    from edged.server.h3_server import RequestStream, ServerSettings
 
 log = logging.getLogger("edged.server")
 
 Handler = Callable[["RequestStream"], Awaitable[None]]
 PUBLIC_PATHS = frozenset({"/healthz"})  # no API key needed
+SHOWN_PATH_CHARS = 128  # a path echoed in an error body or a log line is cut to this
+
+
+def shown_path(path: str) -> str:
+    return wire.shown(path, SHOWN_PATH_CHARS)
 
 
 @dataclass(slots=True)
@@ -64,7 +67,7 @@ class Router:
         self.routes: dict[str, dict[str, Handler]] = {}
         self.public_paths: set[str] = set(PUBLIC_PATHS)
         self._inflight: set[str] = set()  # engine request ids: unique even when clients reuse x-request-id
-        self._buckets: dict[str, tuple[float, float]] = {}  # API key name -> (tokens, last refill time)
+        self._limiter = auth.RateLimiter()
         self._suffix = itertools.count(1)
         self.add("POST", "/v1/chat/completions", self.chat_completions)
         self.add("POST", "/v1/completions", self.completions)
@@ -85,11 +88,12 @@ class Router:
             if methods is None and path.startswith("/v1/models/"):
                 methods = {"GET": self.model}
             if methods is None:
-                raise WireError(404, f"No route for {req.path}.", code="not_found")
+                raise WireError(404, f"No route for {shown_path(req.path)}.", code="not_found")
             handler = methods.get(req.method)
             if handler is None:
                 allow = ", ".join(sorted(methods))
-                raise WireError(405, f"Method {req.method} is not allowed on {path}; use {allow}.",
+                raise WireError(405, f"Method {wire.shown(req.method)} is not allowed on {shown_path(path)}; "
+                                     f"use {allow}.",
                                 code="method_not_allowed", headers=[("allow", allow)])
             if self.draining and path != "/healthz":
                 raise WireError(503, "The server is shutting down.", type="server_error", code="shutting_down",
@@ -106,22 +110,23 @@ class Router:
         except asyncio.CancelledError:
             raise
         except Exception as e:
-            log.exception("request failed %s", fields(rid=req.request_id, path=req.path, error=repr(e)))
+            log.exception("request failed %s", fields(rid=req.request_id, path=shown_path(req.path), error=repr(e)))
             if not req.headers_sent:
-                req.respond_error(WireError(500, "Internal server error.", type="server_error", code="internal_error"))
+                req.respond_error(WireError(500, f"Internal server error (request id {req.request_id}).",
+                                            type="server_error", code="internal_error"))
             else:
                 req.abort()
             req.outcome = req.outcome or "error"
         finally:
             if req.tier is not None and req.outcome != "rejected":  # a completion that reached the engine
                 self._record(RequestRecord(
-                    req.request_id, req.path, req.status, self._outcome(req), req.tier, None,
+                    req.request_id, shown_path(req.path), req.status, self._outcome(req), req.tier, None,
                     req.prompt_tokens, req.completion_tokens, req.ttft, self._elapsed(req)))
 
     def rejected(self, req: RequestStream, err: WireError) -> None:
         """A request refused before generation (also called by the protocol for 408/413)."""
-        self._record(RequestRecord(req.request_id, req.path or "-", err.status, "rejected", req.tier, err.code,
-                                   duration_s=self._elapsed(req)), param=err.param)
+        self._record(RequestRecord(req.request_id, shown_path(req.path) or "-", err.status, "rejected", req.tier,
+                                   err.code, duration_s=self._elapsed(req)), param=err.param)
 
     @staticmethod
     def _outcome(req: RequestStream) -> str:
@@ -154,29 +159,16 @@ class Router:
 
     def _authenticate(self, req: RequestStream) -> None:
         """Bearer key -> policy (keys are stored as sha256 hex digests); then its rate limit."""
-        scheme, _, key = (req.header("authorization") or "").partition(" ")
-        digest = hashlib.sha256(key.strip().encode("utf-8", "replace")).hexdigest()
-        policy = (self.settings.api_keys or {}).get(digest) if scheme.lower() == "bearer" else None
+        policy = auth.lookup(req.header("authorization"), self.settings.api_keys or {})
         if policy is None:
             raise WireError(401, "Missing or invalid API key (send 'Authorization: Bearer KEY').",
                             code="invalid_api_key", headers=[("www-authenticate", "Bearer")])
         req.api_key = policy
-        if policy.rate_limit_rps:
-            self._take_token(policy)
-
-    def _take_token(self, policy: ApiKeyPolicy) -> None:
-        """Token bucket per key: `burst` requests at once, refilled at `rate_limit_rps`."""
-        rps = float(policy.rate_limit_rps or 0)
-        burst = float(policy.burst or max(1, math.ceil(rps)))
-        now = time.monotonic()
-        tokens, last = self._buckets.get(policy.name, (burst, now))
-        tokens = min(burst, tokens + (now - last) * rps)
-        if tokens < 1.0:
-            self._buckets[policy.name] = (tokens, now)
-            wait = max(1, math.ceil((1.0 - tokens) / rps))
-            raise WireError(429, f"Rate limit of {rps:g} requests/s exceeded for key '{policy.name}'.",
-                            type="rate_limit_error", code="rate_limit_exceeded", headers=[("retry-after", str(wait))])
-        self._buckets[policy.name] = (tokens - 1.0, now)
+        wait = self._limiter.take(policy)
+        if wait is not None:
+            raise WireError(429, f"Rate limit of {policy.rate_limit_rps:g} requests/s exceeded for key "
+                                 f"'{policy.name}'.", type="rate_limit_error", code="rate_limit_exceeded",
+                            headers=[("retry-after", str(int(wait)))])
 
     # ---- small endpoints
 
@@ -215,8 +207,11 @@ class Router:
         p = wire.parse_completion_request(bytes(req.body))
         wire.check_model(p, self.engine.model_id)
         tier = self._tier(req, p)
-        if isinstance(p.prompt, str):
-            prompt_ids = self.engine.encode(p.prompt)  # on the loop: see chat_completions
+        if isinstance(p.prompt, str):  # on the loop: see chat_completions
+            if self.settings.allow_special_tokens_in_prompt:
+                prompt_ids = self.engine.encode_with_special_tokens(p.prompt)
+            else:  # control tokens written in the text stay text
+                prompt_ids = self.engine.encode(p.prompt)
         else:
             prompt_ids = list(p.prompt or [])
         await self._complete(req, p, tier, prompt_ids)
@@ -250,7 +245,8 @@ class Router:
             limit = cap if limit is None else min(limit, cap)
         eid = self._engine_id(req.request_id)
         gen = wire.make_generation_request(p, prompt_ids, eid, tier, self.engine.max_model_len,
-                                           st.default_max_tokens, limit, st.max_prompt_tokens)
+                                           st.default_max_tokens, limit, st.max_prompt_tokens,
+                                           getattr(self.engine, "vocab_size", None))
         req.tier, req.prompt_tokens = tier, len(prompt_ids)
         agen = await self._generation(req, gen)
         # SLA admission (edged.scheduler.admission; the daemon sets router.admission), after the result
@@ -448,4 +444,5 @@ class Router:
         if isinstance(exc, ValueError):
             return WireError(400, str(exc), code="invalid_value")
         log.error("engine error %s", fields(rid=req.request_id, error=repr(exc)), exc_info=exc)
-        return WireError(500, "Internal error while generating.", type="server_error", code="internal_error")
+        return WireError(500, f"Internal error while generating (request id {req.request_id}).",
+                         type="server_error", code="internal_error")
