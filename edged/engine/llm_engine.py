@@ -2,6 +2,12 @@
 
 Requests and cancels arrive through a thread-safe inbox; once per step the new tokens of every
 sequence go out in a single `on_outputs` call, so the event loop is woken once per step.
+
+One request never ends another: a request the model cannot take (a token id outside the
+vocabulary, a seed outside int64) is refused alone at admission, and a step that raises is retried
+on halves of its batch until the sequences that make it fail are found; only those end, with a
+generic error naming their request id (the exception goes to the log), and the step runs again
+without them.
 """
 from __future__ import annotations
 
@@ -14,7 +20,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from edged.log import fields
-from edged.scheduler.batcher import Batcher
+from edged.scheduler.batcher import Batcher, ScheduledChunk, StepPlan
 
 from .block_manager import BlockManager
 from .model_runner import PLACEHOLDER, LaunchedStep, ModelRunner
@@ -22,6 +28,14 @@ from .request import GenerationRequest, StepOutput
 from .sequence import Sequence, SequenceStatus
 
 log = logging.getLogger("edged.engine")
+
+def _fits_int64(value: int) -> bool:  # seeds and top_k are packed into int64 tensors
+    return -(2**63) <= value < 2**63
+
+
+def internal_error(request_id: str) -> str:
+    """What a client sees when its sequence failed inside a step: no exception text."""
+    return f"Internal error while generating (request id {request_id})."
 
 
 @dataclass(slots=True)
@@ -83,6 +97,10 @@ class LLMEngine:
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    @property
+    def vocab_size(self) -> int:
+        return self.runner.model.config.vocab_size
+
     # --- engine thread ---
     def _drain_inbox(self, block: bool) -> list[StepOutput]:
         outputs: list[StepOutput] = []
@@ -93,23 +111,52 @@ class LLMEngine:
         while True:
             kind, payload = item
             if kind == "add":
-                self._admit(payload)  # type: ignore[arg-type]
+                out = self._admit(payload)  # type: ignore[arg-type]
+                if out:
+                    outputs.append(out)
             elif kind == "cancel":
                 out = self._cancel(payload)  # type: ignore[arg-type]
                 if out:
                     outputs.append(out)
             elif kind == "call":
-                payload()  # type: ignore[operator]
+                try:
+                    payload()  # type: ignore[operator]
+                except Exception:  # a failed reconfiguration must not stop the loop
+                    log.exception("engine call failed")
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 return outputs
 
-    def _admit(self, request: GenerationRequest) -> None:
-        seed = request.sampling.seed if request.sampling.seed is not None else self._rng.getrandbits(32)
-        seq = Sequence.from_request(request, seed, self.eos_token_ids)
-        self._by_id[request.request_id] = seq
-        self.batcher.add(seq)
+    def _admit(self, request: GenerationRequest) -> StepOutput | None:
+        """Queue a request; a request the model cannot run is refused here, alone (None: queued)."""
+        rid = request.request_id
+        if reason := self._unrunnable(request):
+            log.warning("request refused by the engine %s", fields(request_id=rid, reason=reason))
+            return StepOutput(rid, [], True, "error", reason)
+        try:
+            seed = request.sampling.seed if request.sampling.seed is not None else self._rng.getrandbits(32)
+            seq = Sequence.from_request(request, seed, self.eos_token_ids)
+            self._by_id[rid] = seq
+            self.batcher.add(seq)
+        except Exception as exc:
+            log.exception("admission failed %s", fields(request_id=rid, error=repr(exc)))
+            self._by_id.pop(rid, None)
+            return StepOutput(rid, [], True, "error", internal_error(rid))
+        return None
+
+    def _unrunnable(self, request: GenerationRequest) -> str | None:
+        """Why the model cannot take this request (the server validates first; this is the backstop)."""
+        ids, sp, vocab = request.prompt_token_ids, request.sampling, self.vocab_size
+        if not ids:
+            return "the prompt is empty"
+        if not 0 <= min(ids) <= max(ids) < vocab:
+            return f"a prompt token id is outside the vocabulary (0..{vocab - 1})"
+        if sp.seed is not None and not _fits_int64(sp.seed):
+            return "the seed does not fit in 64 bits"
+        if not _fits_int64(sp.top_k):
+            return "top_k does not fit in 64 bits"
+        return None
 
     def _cancel(self, request_id: str) -> StepOutput | None:
         seq = self._by_id.pop(request_id, None)
@@ -151,9 +198,64 @@ class LLMEngine:
         self.counters.preemptions += len(plan.preempted)
         if not plan.chunks:
             return outputs, None
-        launched = self.runner.launch(plan, prev)
+        try:
+            launched = self.runner.launch(plan, prev)
+        except Exception as exc:
+            log.exception("engine step failed, isolating %s", fields(step=self.counters.steps,
+                                                                     batch=len(plan.chunks), error=repr(exc)))
+            plan, failed = self._without_culprits(plan, prev)
+            outputs += failed
+            if not plan.chunks:
+                return outputs, None
+            try:
+                launched = self.runner.launch(plan, prev)
+            except Exception as again:  # fails only together: end this batch, not the engine
+                log.exception("engine step failed again %s", fields(batch=len(plan.chunks), error=repr(again)))
+                return outputs + self._fail([c.seq for c in plan.chunks], again), None
         self._advance(launched)
         return outputs, launched
+
+    def _without_culprits(self, plan: StepPlan, prev: LaunchedStep | None) -> tuple[StepPlan, list[StepOutput]]:
+        """Find the chunks whose step fails on its own (bisecting the batch), end their sequences,
+        and return the plan without them."""
+        culprits: list[tuple[ScheduledChunk, Exception]] = []
+
+        def search(chunks: list[ScheduledChunk]) -> None:
+            if (exc := self._trial(chunks, prev)) is None:
+                return
+            if len(chunks) == 1:
+                culprits.append((chunks[0], exc))
+                return
+            mid = len(chunks) // 2
+            search(chunks[:mid])
+            search(chunks[mid:])
+
+        mid = len(plan.chunks) // 2  # the whole batch already failed: start with its halves
+        for half in (plan.chunks[:mid], plan.chunks[mid:]) if mid else (plan.chunks,):
+            search(half)
+        outputs = [out for chunk, exc in culprits for out in self._fail([chunk.seq], exc)]
+        bad = {id(chunk) for chunk, _ in culprits}
+        return StepPlan([c for c in plan.chunks if id(c) not in bad], plan.preempted, plan.rejected), outputs
+
+    def _trial(self, chunks: list[ScheduledChunk], prev: LaunchedStep | None) -> Exception | None:
+        """Run a part of a failed step to see whether it fails (its KV writes are redone by the retry)."""
+        try:
+            self.runner.launch(StepPlan(list(chunks)), prev).result()
+        except Exception as exc:
+            return exc
+        return None
+
+    def _fail(self, seqs: list[Sequence], exc: BaseException) -> list[StepOutput]:
+        """End these sequences with a generic error; the exception goes to the log, once per sequence."""
+        outputs = []
+        for seq in seqs:
+            rid = seq.request_id
+            log.error("sequence failed %s", fields(request_id=rid, error=repr(exc)))
+            seq.status, seq.finish_reason = SequenceStatus.FINISHED, "error"
+            self.batcher.remove(seq)
+            self._by_id.pop(rid, None)
+            outputs.append(StepOutput(rid, [], True, "error", internal_error(rid)))
+        return outputs
 
     def _advance(self, launched: LaunchedStep) -> None:
         """Book what a launched step computes before its tokens are known."""
@@ -171,7 +273,12 @@ class LLMEngine:
 
     def _resolve(self, launched: LaunchedStep) -> list[StepOutput]:
         """Read a finished step's tokens into its sequences and report them."""
-        tokens = launched.result()
+        try:
+            tokens = launched.result()
+        except Exception as exc:  # the device failed this step: its sequences end, the others go on
+            log.exception("engine step read-back failed %s", fields(batch=len(launched.plan.chunks)))
+            live = [c.seq for c in launched.plan.chunks if c.seq.status is not SequenceStatus.FINISHED]
+            return self._fail(live, exc)
         now = time.monotonic()
         outputs = []
         for seq, index, token in zip(launched.sampled, launched.index, tokens):
@@ -180,6 +287,9 @@ class LLMEngine:
             self.counters.decode_tokens += 1
             if seq.first_token_at is None:
                 seq.first_token_at = now
+            if not 0 <= token < self.vocab_size:  # a broken kernel must not feed the next step
+                outputs += self._fail([seq], ValueError(f"sampled token id {token} is outside the vocabulary"))
+                continue
             seq.record(index, token, self.max_model_len)
             out = StepOutput(seq.request_id, [token], seq.status is SequenceStatus.FINISHED, seq.finish_reason)
             if out.finished:
@@ -208,19 +318,14 @@ class LLMEngine:
             if self.has_work():
                 try:
                     outputs.extend(step())
-                except Exception as exc:  # a failed step ends its sequences, not the daemon
-                    log.exception("engine step failed")
-                    outputs.extend(self._fail_all(str(exc)))
+                except Exception as exc:  # outside the model (scheduling, bookkeeping): end what runs
+                    log.exception("engine step failed outside the model")
+                    outputs.extend(self._fail_all(exc))
             self.counters.last_progress = time.monotonic()
             if outputs:
                 self.on_outputs(outputs)
         log.info("engine loop stopped")
 
-    def _fail_all(self, reason: str) -> list[StepOutput]:
+    def _fail_all(self, exc: BaseException) -> list[StepOutput]:
         self._inflight = None
-        outputs = []
-        for request_id, seq in list(self._by_id.items()):
-            self.batcher.remove(seq)
-            outputs.append(StepOutput(request_id, [], True, "error", f"engine step failed: {reason}"))
-        self._by_id.clear()
-        return outputs
+        return self._fail(list(self._by_id.values()), exc)
