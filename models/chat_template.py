@@ -1,8 +1,13 @@
-"""Render OpenAI `messages` into a prompt with the model's own jinja2 chat template (sandboxed)."""
+"""Render OpenAI `messages` into a prompt with the model's own jinja2 chat template (sandboxed).
+
+`render_pieces` also says which parts of the prompt the template wrote (markup: its control tokens
+count) and which a client wrote (message content and names: plain text, whatever they contain).
+"""
 from __future__ import annotations
 
 import json
 import logging
+import re
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -23,6 +28,9 @@ CHATML_TEMPLATE = (
 
 # Message keys passed through to the template besides role and content (tool calling).
 _EXTRA_KEYS = ("name", "tool_calls", "tool_call_id")
+# Client strings that render_pieces replaces by a marker to find where the template puts them.
+_CLIENT_KEYS = ("content", "name")
+_MARKER = re.compile("\ue000([0-9]+)\ue001")  # private-use code points: no template writes them
 
 
 def _raise_exception(message: str) -> None:
@@ -75,6 +83,38 @@ class ChatTemplate:
         # a template indexing past the messages or adding mismatched types fails on the input, not the server
         except (jinja2.exceptions.TemplateError, TypeError, KeyError, IndexError, AttributeError) as e:
             raise ValueError(f"chat template rejected the messages: {e}") from e
+
+    def render_pieces(self, messages: Any, special: re.Pattern[str] | None = None,
+                      add_generation_prompt: bool = True) -> list[tuple[str, bool]]:
+        """The prompt as (text, is_markup) pieces, which join to exactly `render(messages)`: the
+        template's own text is markup, the clients' strings are not.
+
+        The template is rendered a second time with each client string replaced by a marker; the
+        text between markers is the template's. A template that rewrites client strings beyond
+        trimming them cannot be split so: its prompt is one markup piece, refused (ValueError) if a
+        client string contains a match of `special` (a special token's text) that would then count.
+        """
+        clean = normalize_messages(messages)
+        text = self.render(clean, add_generation_prompt)
+        values: list[str] = []
+
+        def mark(value: Any) -> Any:
+            if not isinstance(value, str) or not value:
+                return value
+            values.append(value)
+            return f"\ue000{len(values) - 1}\ue001"
+
+        marked = [{k: mark(v) if k in _CLIENT_KEYS else v for k, v in m.items()} for m in clean]
+        parts = _MARKER.split(self.render(marked, add_generation_prompt))
+        for client_text in (str, str.strip):  # as given, or trimmed by the template (Llama 3: `| trim`)
+            pieces = [(part, True) if i % 2 == 0 else (client_text(values[int(part)]), False)
+                      for i, part in enumerate(parts)]
+            if "".join(piece for piece, _ in pieces) == text:
+                return [p for p in pieces if p[0]]
+        if special is not None and any(special.search(v) for v in values):
+            raise ValueError("a message contains special-token text (such as a chat control token), which this "
+                             "model's chat template cannot keep as plain text")
+        return [(text, True)]
 
 
 def normalize_messages(messages: Any) -> list[dict[str, Any]]:

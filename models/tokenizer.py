@@ -1,6 +1,13 @@
-"""The tokenizer every model gets: a thin wrapper over Rust `tokenizers`, and incremental detokenizing."""
+"""The tokenizer every model gets: a thin wrapper over Rust `tokenizers`, and incremental detokenizing.
+
+Two ways to encode text: `encode` matches special tokens written in the text (for markup the server
+itself wrote, such as a chat template's `<|im_start|>`), `encode_plain` never does (for anything a
+client wrote: `<|im_start|>` in a message is seven ordinary tokens, not a control token).
+"""
 from __future__ import annotations
 
+import functools
+import re
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -45,8 +52,57 @@ class Tokenizer:
         """Token ids of text; special tokens written in the text (e.g. from a chat template) are matched."""
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def encode_batch(self, texts: list[str], add_special_tokens: bool = False) -> list[list[int]]:
-        return [e.ids for e in self.backend.encode_batch(texts, add_special_tokens=add_special_tokens)]
+    def encode_plain(self, text: str) -> list[int]:
+        """Token ids of text in which special-token strings are ordinary text (client-written text)."""
+        return self._plain_backend.encode(text, add_special_tokens=False).ids
+
+    @functools.cached_property
+    def _plain_backend(self) -> tokenizers.Tokenizer:
+        # A copy, so that the flag never changes under a concurrent `encode` of the original.
+        plain = tokenizers.Tokenizer.from_str(self.backend.to_str())
+        plain.encode_special_tokens = True
+        return plain
+
+    @functools.cached_property
+    def _specials(self) -> dict[str, tuple[int, bool, bool]]:
+        """The special tokens (control tokens such as <|im_start|>): text -> (id, lstrip, rstrip)."""
+        return {t.content: (i, t.lstrip, t.rstrip)
+                for i, t in self.backend.get_added_tokens_decoder().items() if t.special}
+
+    @functools.cached_property
+    def special_token_pattern(self) -> re.Pattern[str] | None:
+        """Matches any special token's text (longest first); None when the tokenizer has none."""
+        names = sorted(self._specials, key=len, reverse=True)
+        return re.compile("|".join(map(re.escape, names))) if names else None
+
+    def encode_markup(self, pieces: Iterable[tuple[str, bool]]) -> list[int]:
+        """Token ids of text given as (piece, is_markup) pairs: special tokens are matched in markup
+        pieces only. The tokenizer itself splits text at special tokens before anything else, so
+        text without client-written special tokens encodes exactly as `encode` would."""
+        ids: list[int] = []
+        pending: list[str] = []  # plain text since the last special token
+        strip_left = False  # the last special token swallows the whitespace after it (rstrip)
+
+        def flush(strip_right: bool) -> None:
+            text = "".join(pending)
+            text = text.lstrip() if strip_left else text
+            text = text.rstrip() if strip_right else text
+            if text:
+                ids.extend(self.encode_plain(text))
+            pending.clear()
+
+        pattern = self.special_token_pattern
+        for text, markup in pieces:
+            pos = 0
+            for m in pattern.finditer(text) if markup and pattern is not None else ():
+                token_id, lstrip, rstrip = self._specials[m.group()]
+                pending.append(text[pos:m.start()])
+                flush(lstrip)
+                ids.append(token_id)
+                strip_left, pos = rstrip, m.end()
+            pending.append(text[pos:])
+        flush(False)
+        return ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

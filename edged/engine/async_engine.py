@@ -60,12 +60,24 @@ class AsyncEngine:
     def active_requests(self) -> int:
         return len(self._queues)
 
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the embedding: every token id that reaches the model must be below this."""
+        return self.engine.vocab_size
+
     def encode(self, text: str) -> list[int]:
+        """A client's text: special-token strings in it are plain text, never control tokens."""
+        return self.tokenizer.encode_plain(text)
+
+    def encode_with_special_tokens(self, text: str) -> list[int]:
+        """A trusted client's text, in which special-token strings are the control tokens."""
         return self.tokenizer.encode(text)
 
     def render_chat(self, messages: list[dict]) -> list[int]:
-        """Apply the model's chat template (ValueError on malformed messages) and tokenize."""
-        return self.tokenizer.encode(self.chat_template.render(messages))
+        """Apply the model's chat template (ValueError on malformed messages) and tokenize; only the
+        template's own markup yields control tokens, message content is plain text."""
+        pieces = self.chat_template.render_pieces(messages, self.tokenizer.special_token_pattern)
+        return self.tokenizer.encode_markup(pieces)
 
     def cancel(self, request_id: str) -> None:
         self.engine.cancel(request_id)
