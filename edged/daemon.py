@@ -212,9 +212,13 @@ class Daemon:
         try:
             # Off the loop: reading and parsing a file (at most 1 MiB) must not stall requests.
             new, diff = await asyncio.to_thread(reload_config, self.config, self.config_path, self.overrides)
-        except ConfigError:
+        except ConfigError as e:
             self.metrics.reloads.labels("rejected").inc()
-            self.notifier.ready("config reload rejected; running on the previous config")
+            # READY ends systemd's reload state; STATUS says it was not applied, and why.
+            problems = e.messages()
+            more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
+            self.notifier.ready(f"config reload rejected: {problems[0] if problems else 'invalid'}{more}; "
+                                f"still serving on the previous config")
             return
         self.config = new
         self.metrics.reloads.labels("applied").inc()
