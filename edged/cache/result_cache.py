@@ -570,6 +570,8 @@ class ResultCache:
         self._refresh_totals(conn)
 
     def _move_aside(self, reason: str) -> bool:
+        if not os.path.lexists(self.path):  # nothing to move: the directory failed (read-only, full, gone)
+            return False
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
         target = self.path.with_name(f"{self.path.name}.corrupt-{stamp}")
         n = 1
