@@ -79,3 +79,63 @@ def start_daemon(tmp: Path, config_text: str | None = None, extra_args: list[str
         d.stop(signal.SIGKILL)
         raise RuntimeError("edged did not become ready:\n" + d.log_text()[-4000:])
     return d
+
+
+def write_config(path: Path, text: str) -> None:
+    """Replace the file in one step (a reader sees the old file or the new one, never half of it)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+class NotifySocket:
+    """A datagram socket standing in for systemd's $NOTIFY_SOCKET: `env` for start_daemon, then read
+    what the daemon reports, one datagram (a list of `KEY=value` lines) at a time."""
+
+    def __init__(self) -> None:
+        import tempfile
+
+        self._dir = tempfile.TemporaryDirectory(prefix="sdn")  # short: sun_path holds 108 bytes
+        self.path = os.path.join(self._dir.name, "notify")
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(self.path)
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {"NOTIFY_SOCKET": self.path}
+
+    def drain(self) -> list[list[str]]:
+        """Every datagram already received."""
+        out = []
+        self.sock.setblocking(False)
+        try:
+            while True:
+                out.append(self.sock.recv(65536).decode().split("\n"))
+        except BlockingIOError:
+            return out
+        finally:
+            self.sock.setblocking(True)
+
+    def wait_for(self, line: str, timeout: float = 60.0, seen: list[list[str]] | None = None) -> list[str]:
+        """The next datagram holding `line` (e.g. "READY=1"); those before it are appended to `seen`."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.sock.settimeout(max(0.01, deadline - time.monotonic()))
+            try:
+                fields = self.sock.recv(65536).decode().split("\n")
+            except socket.timeout:
+                break
+            if line in fields:
+                return fields
+            if seen is not None:
+                seen.append(fields)
+        raise AssertionError(f"no {line} within {timeout}s; saw {seen}")
+
+    def close(self) -> None:
+        self.sock.close()
+        self._dir.cleanup()
+
+
+def status_of(fields: list[str]) -> str | None:
+    """The STATUS= text of a notification, if it has one."""
+    return next((f[len("STATUS="):] for f in fields if f.startswith("STATUS=")), None)
