@@ -78,6 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="also time the whole engine step, serial and overlapped")
     kern = bench_sub.add_parser("kernels", help="each kernel's GB/s or TFLOP/s against measured ceilings")
     kern.add_argument("--sweep", action="store_true", help="also sweep launch configurations")
+    acc = bench_sub.add_parser("accuracy", help="teacher-forced top-1 agreement with float32, per dtype and format")
+    acc.add_argument("--model", help="a .gguf file or HF directory (default: the embedded SmolLM2)")
+    acc.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                     help="where to run (default: cuda when available)")
+    acc.add_argument("--peer", action="store_true", help="also measure transformers bf16 and fp32 on the same file")
     srv = bench_sub.add_parser("serve", help="load generator over HTTP/3 with per-tier SLA report")
     _add_client_flags(srv)
     from edged.bench.serve import add_arguments as add_serve_arguments

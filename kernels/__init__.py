@@ -3,6 +3,16 @@
 Each op dispatches to its Triton kernel for CUDA tensors (when Triton imports) and to the
 plain-torch reference in `reference.py` otherwise. `EDGED_KERNELS=reference` forces the reference
 everywhere (debugging, and the oracle run in GPU tests).
+
+Numerics policy, followed by every implementation whatever the activation dtype (bf16, fp16, fp32):
+- computed in float32: weight dequantization, every matmul's accumulation (`linear`, attention's
+  QK^T and PV), rms_norm (sum of squares, scaling and the weight product), softmax, rope, SiLU and
+  its product, int8 KV dequantization, and the logits (`linear(..., out_dtype=torch.float32)`);
+- stored in the activation dtype: activations between ops (the output of each op, rounded once),
+  the residual stream, dense weights, norm weights and the KV cache (or int8 KV with float32 scales);
+- stored in their own dtype: w8 scales in float32, w4 scales and minimums in float16 (kernels/weights.py);
+- tensor-core operands (Triton tl.dot) are the activation dtype: a dequantized weight tile and the
+  softmax probabilities are rounded to it right before the dot, which accumulates in float32.
 """
 from __future__ import annotations
 
@@ -45,8 +55,8 @@ def backend_for(t: torch.Tensor) -> ModuleType:
     return reference
 
 
-def linear(x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
-    return backend_for(x).linear(x, w)
+def linear(x: torch.Tensor, w: LinearWeight, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    return backend_for(x).linear(x, w, out_dtype=out_dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,

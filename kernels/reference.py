@@ -4,6 +4,9 @@ Shapes (T new tokens in a step, B sequences, H heads, D head_dim, N cache blocks
   k_cache/v_cache: [N, S, Hkv, D]; optional int8 caches carry k_scale/v_scale [N, S, Hkv].
   block_tables: [B, max_blocks] int32; context_lens: [B] int32 (tokens in cache after the step);
   slot_mapping: [T] int64, slot = block * S + offset, -1 = padding (not written).
+
+Numerics (the policy of kernels/__init__.py): every op computes in float32 and rounds its result once
+to the activation dtype (or to float32 for `linear(..., out_dtype=torch.float32)`, the logits).
 """
 from __future__ import annotations
 
@@ -15,19 +18,21 @@ import torch.nn.functional as F
 from .weights import LinearWeight, dequantize
 
 
-def linear(x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
-    """y = x @ W^T + b for any weight format, computed in x's dtype."""
-    weight = w.data if w.format == "dense" else dequantize(w, x.dtype)
-    return F.linear(x, weight.to(x.dtype), None if w.bias is None else w.bias.to(x.dtype))
+def linear(x: torch.Tensor, w: LinearWeight, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """y = x @ W^T + b for any weight format: dequantized and accumulated in float32, returned in
+    out_dtype (default: x's dtype)."""
+    bias = None if w.bias is None else w.bias.to(torch.float32)
+    y = F.linear(x.to(torch.float32), dequantize(w, torch.float32), bias)
+    return y.to(out_dtype or x.dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused residual add + RMSNorm: h = x + residual; returns (norm(h) * weight, h)."""
-    h = x if residual is None else x + residual
+    h = x if residual is None else x + residual  # the residual stream is stored in the activation dtype
     hf = h.to(torch.float32)
     normed = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * normed.to(x.dtype), h
+    return (weight.to(torch.float32) * normed).to(x.dtype), h
 
 
 def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> None:
@@ -46,8 +51,8 @@ def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: tor
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """SwiGLU: silu(x[..., :I]) * x[..., I:]."""
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    gate, up = x.to(torch.float32).chunk(2, dim=-1)
+    return (F.silu(gate) * up).to(x.dtype)
 
 
 def quantize_kv_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,15 +82,15 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 
 def _gather_kv(cache: torch.Tensor, scale: torch.Tensor | None, block_table: torch.Tensor,
-               length: int, dtype: torch.dtype) -> torch.Tensor:
-    """The first `length` cached tokens of one sequence as [length, Hkv, D]."""
+               length: int) -> torch.Tensor:
+    """The first `length` cached tokens of one sequence as float32 [length, Hkv, D]."""
     s = cache.shape[1]
     pos = torch.arange(length, device=cache.device)
     blocks = block_table[pos // s].long()
     out = cache[blocks, pos % s].to(torch.float32)
     if scale is not None:
         out = out * scale[blocks, pos % s].to(torch.float32)[..., None]
-    return out.to(dtype)
+    return out
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q_start: int) -> torch.Tensor:
@@ -106,8 +111,8 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """One new query per sequence, q [B,Hq,D], over its whole cached context."""
     out = torch.empty_like(q)
     for b, length in enumerate(context_lens.tolist()):
-        k = _gather_kv(k_cache, k_scale, block_tables[b], length, q.dtype)
-        v = _gather_kv(v_cache, v_scale, block_tables[b], length, q.dtype)
+        k = _gather_kv(k_cache, k_scale, block_tables[b], length)
+        v = _gather_kv(v_cache, v_scale, block_tables[b], length)
         out[b] = _attend(q[b:b + 1], k, v, scale, length - 1)[0]
     return out
 
@@ -124,8 +129,8 @@ def attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         lo, hi = starts[b], starts[b + 1]
         if hi == lo:
             continue
-        k = _gather_kv(k_cache, k_scale, block_tables[b], length, q.dtype)
-        v = _gather_kv(v_cache, v_scale, block_tables[b], length, q.dtype)
+        k = _gather_kv(k_cache, k_scale, block_tables[b], length)
+        v = _gather_kv(v_cache, v_scale, block_tables[b], length)
         out[lo:hi] = _attend(q[lo:hi], k, v, scale, length - (hi - lo))
     return out
 

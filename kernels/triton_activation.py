@@ -14,9 +14,9 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_o, BLOCK: tl.co
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     up = tl.load(x_ptr + row * stride_x + inter + cols, mask=mask, other=0.0)
     g = gate.to(tl.float32)
-    # silu rounds to the activation dtype before the product, as F.silu(gate) * up does
-    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
-    tl.store(out_ptr + row * stride_o + cols, (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype), mask=mask)
+    # float32 to the end, rounded once (kernels/__init__.py's numerics policy)
+    act = g / (1.0 + tl.exp(-g))
+    tl.store(out_ptr + row * stride_o + cols, (act * up.to(tl.float32)).to(gate.dtype), mask=mask)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -375,8 +375,21 @@ def choose_config(m: int, n: int, k: int, fmt: str, device: torch.device) -> Lin
     return LinearConfig("matmul", block_m, 128, 64, 1, num_warps=8 if block_m == 128 else 4, num_stages=3)
 
 
-def linear(x: torch.Tensor, w: LinearWeight, config: LinearConfig | None = None) -> torch.Tensor:
-    """y = x @ W^T + b in x's dtype, for x [..., K]."""
+def _torch_linear(x: torch.Tensor, w: LinearWeight, out_dtype: torch.dtype) -> torch.Tensor:
+    """Dense weights through cuBLAS: float32 accumulation, the result rounded once to out_dtype."""
+    if out_dtype == x.dtype:
+        return F.linear(x, w.data.to(x.dtype), None if w.bias is None else w.bias.to(x.dtype))
+    # float32 logits from half-precision operands without a float32 copy of the weight
+    y = torch.mm(x.reshape(-1, x.shape[-1]), w.data.to(x.dtype).t(), out_dtype=out_dtype)
+    if w.bias is not None:
+        y += w.bias.to(out_dtype)
+    return y.reshape(*x.shape[:-1], -1)
+
+
+def linear(x: torch.Tensor, w: LinearWeight, config: LinearConfig | None = None,
+           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """y = x @ W^T + b for x [..., K], accumulated in float32, returned in out_dtype (default x's)."""
+    out_dtype = out_dtype or x.dtype
     k = w.in_features
     n = w.out_features
     lead = x.shape[:-1]
@@ -385,11 +398,10 @@ def linear(x: torch.Tensor, w: LinearWeight, config: LinearConfig | None = None)
         x2 = x2.contiguous()
     m = x2.shape[0]
     if m == 0:
-        return x.new_empty(*lead, n)
+        return x.new_empty(*lead, n, dtype=out_dtype)
     cfg = config or choose_config(m, n, k, w.format, x.device)
     if cfg.kind == "torch":
-        bias = None if w.bias is None else w.bias.to(x.dtype)
-        return F.linear(x, w.data.to(x.dtype), bias)
+        return _torch_linear(x, w, out_dtype)
     fmt = _FORMATS[w.format]
     if fmt == 2 and k % w.group_size:
         raise ValueError(f"in_features {k} is not a multiple of group_size {w.group_size}")
@@ -397,7 +409,7 @@ def linear(x: torch.Tensor, w: LinearWeight, config: LinearConfig | None = None)
     scale = w.scale if w.scale is not None else data
     minimum = w.minimum if w.minimum is not None else scale
     bias = w.bias if w.bias is not None else data
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    out = torch.empty(m, n, dtype=out_dtype, device=x.device)
     split = max(1, cfg.split)
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
     if cfg.kind == "gemv" and cfg.block_n not in (1, 2, 4):

@@ -1,9 +1,17 @@
-"""Runtime weight formats read by `linear`: dense, w8 (int8 per output channel), w4 (int4 groups)."""
+"""Runtime weight formats read by `linear`: dense, w8 (int8 per output channel), w4 (int4 groups).
+
+Storage (the numerics policy is in kernels/__init__.py): dense data and bias in the activation dtype;
+w8 scales in float32; w4 scales and minimums in float16, GGUF Q4's own storage, so Q4_0/Q4_1 are held
+exactly (bfloat16 would drop 3 bits of a Q4_1 minimum, an error shared by the whole group).
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+W8_SCALE_DTYPE = torch.float32
+W4_PARAM_DTYPE = torch.float16
 
 
 @dataclass
@@ -46,13 +54,12 @@ class LinearWeight:
                             self.group_size, move(self.bias))
 
     def astype(self, dtype: torch.dtype) -> "LinearWeight":
-        """The same weight with its floating-point parts (dense data, scales, minimums, bias) in dtype;
-        packed integers stay as they are."""
+        """The same weight with dense data and bias in the activation dtype; packed integers, scales and
+        minimums keep their storage dtype (never the activation dtype: see the module docstring)."""
         def cast(t: torch.Tensor | None) -> torch.Tensor | None:
             return t if t is None or not t.is_floating_point() else t.to(dtype)
 
-        return LinearWeight(self.format, cast(self.data), cast(self.scale), cast(self.minimum), self.group_size,
-                            cast(self.bias))
+        return LinearWeight(self.format, cast(self.data), self.scale, self.minimum, self.group_size, cast(self.bias))
 
 
 def dequantize(w: LinearWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -77,7 +84,7 @@ def quantize_w8(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linea
     w = weight.to(torch.float32)
     scale = w.abs().amax(dim=1).clamp(min=1e-8) / 127.0
     q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
-    return LinearWeight("w8", q, scale.to(weight.dtype), None, 0, bias)
+    return LinearWeight("w8", q, scale.to(W8_SCALE_DTYPE), None, 0, bias)
 
 
 def quantize_w4(weight: torch.Tensor, group_size: int = 32, bias: torch.Tensor | None = None) -> LinearWeight:
@@ -92,15 +99,15 @@ def quantize_w4(weight: torch.Tensor, group_size: int = 32, bias: torch.Tensor |
     hi = g.amax(dim=-1)
     scale = ((hi - lo) / 15.0).clamp(min=1e-8)
     q = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8).view(out, k)
-    return pack_w4(q, scale.to(weight.dtype), lo.to(weight.dtype), group_size, bias)
+    return pack_w4(q, scale, lo, group_size, bias)
 
 
 def pack_w4(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, group_size: int,
             bias: torch.Tensor | None = None) -> LinearWeight:
-    """Pack unsigned 4-bit values ``q [out, in]`` two to a byte."""
+    """Pack unsigned 4-bit values ``q [out, in]`` two to a byte; scale and minimum stored in float16."""
     q = q.to(torch.uint8)
     packed = (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
-    return LinearWeight("w4", packed, scale, minimum, group_size, bias)
+    return LinearWeight("w4", packed, scale.to(W4_PARAM_DTYPE), minimum.to(W4_PARAM_DTYPE), group_size, bias)
 
 
 def concat_out(weights: list[LinearWeight]) -> LinearWeight:

@@ -83,4 +83,4 @@ class LlamaModel:
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, vocab] float32 logits for the rows of hidden that need a next token."""
-        return kernels.linear(hidden, self.weights.lm_head).to(torch.float32)
+        return kernels.linear(hidden, self.weights.lm_head, out_dtype=torch.float32)

@@ -1,4 +1,4 @@
-"""`edged bench decode | kernels | serve`: each kind lives in its own module, imported only when run."""
+"""`edged bench decode | kernels | serve | accuracy`: each kind lives in its own module, imported only when run."""
 from __future__ import annotations
 
 import argparse
@@ -18,4 +18,8 @@ def run_bench_command(args: argparse.Namespace) -> int:
         from edged.bench.kernels import run_kernels_bench
 
         return run_kernels_bench(args)
+    if args.bench == "accuracy":
+        from edged.bench.accuracy import run_accuracy_bench
+
+        return run_accuracy_bench(args)
     raise ValueError(f"unknown benchmark {args.bench!r}")
