@@ -78,4 +78,6 @@ def test_bench_kernels_prints_every_kernel_without_a_failure() -> None:
     r = edged("bench", "kernels", timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "FAILED" not in r.stdout, r.stdout
-    assert r.stdout.startswith("copy ceiling") and " GB/s " in r.stdout and "TFLOP/s" in r.stdout
+    lines = r.stdout.splitlines()
+    assert any(line.startswith("copy ceiling") for line in lines), r.stdout
+    assert sum(" GB/s " in line for line in lines) >= 10 and any("TFLOP/s" in line for line in lines), r.stdout
