@@ -58,7 +58,7 @@ class Variant:
     """One row of the table: activation dtype, weight format (`model.quant`) and KV cache dtype."""
 
     dtype: torch.dtype
-    quant: str  # none | w8 | w4 (requantized from the dense weights) | gguf (GGUF Q4 kept as it is)
+    quant: str  # auto (the daemon's default: GGUF Q4 kept as stored) | none | w8 | w4 (all requantized)
     kv_cache: str = "auto"  # auto | int8
 
     @property
@@ -96,13 +96,10 @@ def text_ids(loaded: LoadedModel, min_tokens: int = 520) -> list[int]:
 
 
 def build_variant(loaded: LoadedModel, variant: Variant, device: torch.device | str) -> LlamaModel:
-    # "gguf": GGUF Q4 tensors stay w4 as stored, the rest dense; w4 requantizes everything (group 64)
-    quant = "w4" if variant.quant == "gguf" else variant.quant
     named = loaded.named_weights
-    if variant.quant == "w4":
+    if variant.quant == "w4":  # requantize GGUF Q4 tensors too (group 64, the config's default)
         named = {k: dequantize(v) if isinstance(v, LinearWeight) else v for k, v in named.items()}
-    group = 32 if variant.quant == "gguf" else 64
-    weights = build_weights(named, loaded.config, quant, variant.dtype, device, group)
+    weights = build_weights(named, loaded.config, variant.quant, variant.dtype, device, 64)
     return LlamaModel(loaded.config, weights, len(text_ids(loaded)) + 16)
 
 
@@ -160,10 +157,10 @@ def transformers_agreement(loaded: LoadedModel, ids: list[int], ref_top1: torch.
 
 
 DEFAULT_VARIANTS = {
-    "cpu": [Variant(torch.bfloat16, "none"), Variant(torch.bfloat16, "gguf"), Variant(torch.float32, "w8"),
-            Variant(torch.float32, "gguf"), Variant(torch.float32, "none", "int8")],
-    "cuda": [Variant(dt, q) for dt in (torch.bfloat16, torch.float16) for q in ("none", "w8", "w4", "gguf")]
-    + [Variant(torch.float32, "gguf"), Variant(torch.bfloat16, "gguf", "int8"), Variant(torch.bfloat16, "w8", "int8")],
+    "cpu": [Variant(torch.float32, q) for q in ("auto", "none", "w8", "w4")]
+    + [Variant(torch.bfloat16, q) for q in ("auto", "none")] + [Variant(torch.float32, "auto", "int8")],
+    "cuda": [Variant(dt, q) for dt in (torch.bfloat16, torch.float16) for q in ("auto", "none", "w8", "w4")]
+    + [Variant(torch.float32, "auto"), Variant(torch.bfloat16, "auto", "int8"), Variant(torch.bfloat16, "w8", "int8")],
 }
 
 
