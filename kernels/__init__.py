@@ -1,8 +1,9 @@
-"""Kernel ops: one contract, two implementations.
+"""Kernel ops: one contract, three implementations.
 
-Each op dispatches to its Triton kernel for CUDA tensors (when Triton imports) and to the
-plain-torch reference in `reference.py` otherwise. `EDGED_KERNELS=reference` forces the reference
-everywhere (debugging, and the oracle run in GPU tests).
+Each op dispatches by device: Triton kernels for CUDA tensors (when Triton imports), the fast CPU
+implementation in `cpu.py` for CPU tensors, and the plain-torch reference in `reference.py`
+otherwise. `EDGED_KERNELS=reference` forces the reference everywhere (debugging, and the oracle
+run in tests).
 
 Numerics policy, followed by every implementation whatever the activation dtype (bf16, fp16, fp32):
 - computed in float32: weight dequantization, every matmul's accumulation (`linear`, attention's
@@ -21,7 +22,7 @@ from types import ModuleType
 
 import torch
 
-from . import reference
+from . import cpu, reference
 from .weights import LinearWeight, concat_out, dequantize, pack_w4, quantize_w4, quantize_w8
 
 __all__ = [
@@ -48,7 +49,11 @@ def _load_triton() -> ModuleType | None:
 
 def backend_for(t: torch.Tensor) -> ModuleType:
     """The implementation module for tensors on t's device."""
-    if t.is_cuda and os.environ.get("EDGED_KERNELS", "auto") != "reference":
+    if os.environ.get("EDGED_KERNELS", "auto") == "reference":
+        return reference
+    if t.device.type == "cpu":
+        return cpu
+    if t.is_cuda:
         ops = _load_triton()
         if ops is not None:
             return ops

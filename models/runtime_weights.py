@@ -5,9 +5,12 @@ where a GGUF Q4_0/Q4_1 tensor already is a ``w4`` LinearWeight; everything else 
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from edged.kernels import LinearWeight, concat_out, dequantize, quantize_w4, quantize_w8
+from edged.kernels import cpu as cpu_kernels
 
 from .config import ModelConfig
 from .llama import LayerWeights, LlamaWeights
@@ -20,14 +23,17 @@ def to_runtime_linear(src: torch.Tensor | LinearWeight, bias: torch.Tensor | Non
                       dtype: torch.dtype, device: torch.device, group_size: int = 32) -> LinearWeight:
     """One linear weight in the runtime format that `quant` asks for.
 
-    auto keeps w4 sources as they are on CUDA (GGUF Q4 is not requantized) and is dense elsewhere,
-    since the CPU reference would dequantize a packed weight at every call.
+    auto keeps w4 sources as they are (GGUF Q4 is not requantized). Other sources stay dense on CUDA
+    and become w8 on the CPU, where the weight-only int8 kernel reads a quarter of float32's bytes.
     """
     if quant not in QUANT_MODES:
         raise ValueError(f"quant must be one of {QUANT_MODES}, got {quant!r}")
     is_packed = isinstance(src, LinearWeight)
     if quant == "auto":
-        quant = "w4" if (is_packed and src.format == "w4" and device.type == "cuda") else "none"
+        if is_packed and src.format == "w4":
+            quant = "w4"
+        else:
+            quant = "w8" if device.type == "cpu" else "none"
     if quant == "w4" and is_packed and src.format == "w4":
         w = LinearWeight("w4", src.data, src.scale, src.minimum, src.group_size, bias)
     else:
@@ -39,6 +45,14 @@ def to_runtime_linear(src: torch.Tensor | LinearWeight, bias: torch.Tensor | Non
         else:
             w = quantize_w4(dense, group_size, bias)
     return w.astype(dtype).to(device)
+
+
+def prepacked(w: LinearWeight) -> LinearWeight:
+    """w with the CPU kernels' layout attached (built once here, not at the first request), unless
+    the reference kernels are forced."""
+    if w.data.device.type == "cpu" and os.environ.get("EDGED_KERNELS", "auto") != "reference":
+        return cpu_kernels.prepack(w)
+    return w
 
 
 def _dense(t: torch.Tensor | LinearWeight) -> torch.Tensor:
@@ -64,7 +78,7 @@ def build_weights(named: Named, config: ModelConfig, quant: str = "auto", dtype:
     def fused(names: list[str]) -> LinearWeight:
         parts = [to_runtime_linear(get(f"{n}.weight"), named.get(f"{n}.bias"), quant, dtype, device, group_size)
                  for n in names]
-        return concat_out(parts)
+        return prepacked(concat_out(parts))
 
     layers = []
     for i in range(config.num_layers):
@@ -82,7 +96,7 @@ def build_weights(named: Named, config: ModelConfig, quant: str = "auto", dtype:
     head_src = named.get("lm_head.weight")
     if head_src is None or config.tie_word_embeddings:
         head_src = embed
-    lm_head = to_runtime_linear(head_src, None, quant, dtype, device, group_size)
+    lm_head = prepacked(to_runtime_linear(head_src, None, quant, dtype, device, group_size))
     return LlamaWeights(embed.to(dtype).to(device), layers, norm("model.norm.weight"), lm_head)
 
 

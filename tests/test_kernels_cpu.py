@@ -1,0 +1,309 @@
+"""The fast CPU kernels (kernels/cpu.py) against the plain-torch oracle (kernels/reference.py).
+
+Each op on small shapes in float32 (tight tolerances: both compute in fp32, in a different order)
+and in bfloat16, then the embedded model end to end: the engine's greedy text on the fast path
+equals the oracle's for 32 tokens on 3 chat prompts run together.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from edged.kernels import LinearWeight, cpu, cpu_native, dequantize, pack_w4, quantize_w4, quantize_w8, reference
+from edged.models.loader import LoadedModel
+from edged.models.runtime_weights import build_weights
+from edged.models.llama import LlamaModel, LlamaWeights, LayerWeights
+
+from helpers.tiny_engine import request, run_to_completion
+
+F32, BF16 = torch.float32, torch.bfloat16
+
+
+def close(got: torch.Tensor, want: torch.Tensor, rel: float) -> None:
+    """Max error within rel of the largest magnitude of the oracle's result."""
+    err = (got.float() - want.float()).abs().max().item()
+    assert err <= rel * want.float().abs().max().item(), (err, want.abs().max().item())
+
+
+# --- linear ------------------------------------------------------------------------------------------
+
+def q4_1_with_large_offsets(n: int, k: int, seed: int = 0) -> LinearWeight:
+    """Q4_1-shaped groups whose minimums are ~100x their step: bf16 would lose the offset."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    d = torch.rand(n, k // 32, generator=g) * 0.002 + 0.001
+    m = torch.randn(n, k // 32, generator=g).sign() * (0.15 + 0.05 * torch.rand(n, k // 32, generator=g))
+    return pack_w4(q, d, m, 32)
+
+
+def weights(kind: str, n: int, k: int) -> LinearWeight:
+    dense = torch.randn(n, k, generator=torch.Generator().manual_seed(n + k)) * 0.05
+    if kind == "dense":
+        return LinearWeight("dense", dense)
+    if kind == "w8":
+        return quantize_w8(dense)
+    if kind == "w4-q4_1":
+        return q4_1_with_large_offsets(n, k)
+    return quantize_w4(dense, int(kind.removeprefix("w4-g")))
+
+
+KINDS = ["dense", "w8", "w4-g32", "w4-g64", "w4-g128", "w4-q4_1"]
+
+
+@pytest.fixture(params=["native", "torch"])
+def impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The C kernels of cpu_native.py, and the torch calls that stand in where no C compiler is
+    (for linear: torch's bfloat16 weight-only kernels)."""
+    if request.param == "native" and not cpu_native.available():
+        pytest.skip("no C compiler for the CPU kernels")
+    if request.param == "torch":
+        monkeypatch.setattr(cpu_native, "available", lambda: False)
+        monkeypatch.setattr(cpu, "_NATIVE", False)
+    return request.param
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("rows", [1, 2, 5, cpu.DEQUANT_ROWS + 3])
+def test_linear_matches_the_oracle(kind: str, rows: int, impl: str) -> None:
+    n, k = 72, 256  # 72 rows: not a whole number of the kernels' 64-row tasks
+    w = weights(kind, n, k)
+    w.bias = torch.randn(n) * 0.1
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    want = reference.linear(x, w)
+    got = cpu.linear(x, w)
+    assert got.shape == want.shape and got.dtype == F32
+    # fp32 end to end: summation order only. torch's bf16 kernels round x, the scales and the result.
+    close(got, want, 2e-6 if impl == "native" or kind == "dense" else 2e-2)
+
+
+@pytest.mark.parametrize("kind", ["dense", "w8", "w4-g32", "w4-q4_1"])
+def test_linear_in_bfloat16_rounds_once_and_logits_come_out_in_float32(kind: str) -> None:
+    w = weights(kind, 64, 128)
+    if kind == "dense":
+        w = w.astype(BF16)
+    x = torch.randn(3, 128).to(BF16)
+    want = reference.linear(x, w, out_dtype=F32)
+    got = cpu.linear(x, w, out_dtype=F32)
+    assert got.dtype == F32
+    close(got, want, 1e-2 if kind == "dense" else 2e-6)
+    assert cpu.linear(x, w).dtype == BF16
+    close(cpu.linear(x, w), want, 1e-2)
+
+
+def test_prepack_keeps_the_weight_readable_by_the_oracle() -> None:
+    w = quantize_w4(torch.randn(64, 64), 32)
+    before = dequantize(w)
+    assert cpu.prepack(w) is w and hasattr(w, "cpu_packed")
+    assert torch.equal(dequantize(w), before)
+
+
+# --- norms, rope, activation -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm(dtype: torch.dtype, with_residual: bool, impl: str) -> None:
+    x, r = torch.randn(5, 64).to(dtype), torch.randn(5, 64).to(dtype)
+    wt = (1 + torch.randn(64) * 0.1).to(dtype)
+    res = r if with_residual else None
+    got, got_h = cpu.rms_norm(x, wt, 1e-5, res)
+    want, want_h = reference.rms_norm(x, wt, 1e-5, res)
+    assert got.dtype == dtype and torch.equal(got_h, want_h)
+    close(got, want, 1e-6 if dtype == F32 else 8e-3)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("fused", [False, True])
+def test_rope_on_separate_and_fused_qkv(dtype: torch.dtype, fused: bool, impl: str) -> None:
+    t, hq, hk, d = 6, 4, 2, 16
+    cos_sin = torch.cat((torch.randn(64, d // 2).cos(), torch.randn(64, d // 2).sin()), -1)
+    positions = torch.tensor([0, 5, 9, 10, 33, 63])
+    qkv = torch.randn(t, (hq + 2 * hk) * d).to(dtype)
+    if fused:  # views into one buffer, as the model's split of the qkv projection gives
+        q, k, _ = qkv.split([hq * d, hk * d, hk * d], dim=-1)
+        q, k = q.reshape(t, hq, d), k.reshape(t, hk, d)
+        assert cpu._joined(q, k) is not None
+    else:
+        q, k = torch.randn(t, hq, d).to(dtype), torch.randn(t, hk, d).to(dtype)
+    q2, k2 = q.clone(), k.clone()
+    cpu.rope(q, k, positions, cos_sin)
+    reference.rope(q2, k2, positions, cos_sin)
+    close(q, q2, 1e-6 if dtype == F32 else 8e-3)
+    close(k, k2, 1e-6 if dtype == F32 else 8e-3)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_silu_and_mul(dtype: torch.dtype, impl: str) -> None:
+    x = torch.randn(4, 64).to(dtype)
+    close(cpu.silu_and_mul(x), reference.silu_and_mul(x), 1e-6 if dtype == F32 else 8e-3)
+
+
+# --- paged KV cache and attention ----------------------------------------------------------------------
+
+N_BLOCKS, BLOCK, HKV, D = 24, 4, 2, 16
+
+
+def caches(int8: bool, dtype: torch.dtype = F32) -> list[torch.Tensor | None]:
+    shape = (N_BLOCKS, BLOCK, HKV, D)
+    if not int8:
+        return [torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype), None, None]
+    return [torch.zeros(shape, dtype=torch.int8), torch.zeros(shape, dtype=torch.int8),
+            torch.zeros(shape[:3]), torch.zeros(shape[:3])]
+
+
+def filled(lens: list[int], int8: bool, dtype: torch.dtype = F32, seed: int = 0
+           ) -> tuple[list[torch.Tensor | None], torch.Tensor]:
+    """Caches holding `lens[b]` random tokens of sequence b, in shuffled blocks; the block table."""
+    g = torch.Generator().manual_seed(seed)
+    order = torch.randperm(N_BLOCKS, generator=g)
+    width = max(-(-n // BLOCK) for n in lens)
+    table = torch.zeros(len(lens), width, dtype=torch.int32)
+    c = caches(int8, dtype)
+    used = 0
+    for b, n in enumerate(lens):
+        nb = -(-n // BLOCK)
+        table[b, :nb] = order[used:used + nb].to(torch.int32)
+        used += nb
+        pos = torch.arange(n)
+        slots = table[b, pos // BLOCK].long() * BLOCK + pos % BLOCK
+        k, v = torch.randn(n, HKV, D, generator=g).to(dtype), torch.randn(n, HKV, D, generator=g).to(dtype)
+        reference.write_kv(k, v, *c[:2], slots, *c[2:])
+    return c, table
+
+
+@pytest.mark.parametrize("int8", [False, True])
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_write_kv_skips_padding_and_matches_the_oracle(int8: bool, dtype: torch.dtype, impl: str) -> None:
+    k, v = torch.randn(5, HKV, D).to(dtype), torch.randn(5, HKV, D).to(dtype)
+    slots = torch.tensor([7, -1, 0, 30, -1])
+    got, want = caches(int8, dtype), caches(int8, dtype)
+    cpu.write_kv(k, v, *got[:2], slots, *got[2:])
+    reference.write_kv(k, v, *want[:2], slots, *want[2:])
+    for a, b in zip(got, want):
+        if a is not None:
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("int8", [False, True])
+@pytest.mark.parametrize("hq", [2, 6])  # MHA and GQA (3 query heads per KV head)
+@pytest.mark.parametrize("lens", [[9], [1, 17, 6, 12], [16, 16]])
+def test_attention_decode_over_ragged_paged_contexts(int8: bool, hq: int, lens: list[int], impl: str) -> None:
+    c, table = filled(lens, int8)
+    q = torch.randn(len(lens), hq, D)
+    ctx = torch.tensor(lens, dtype=torch.int32)
+    got = cpu.attention_decode(q, c[0], c[1], table, ctx, D ** -0.5, c[2], c[3])
+    want = reference.attention_decode(q, c[0], c[1], table, ctx, D ** -0.5, c[2], c[3])
+    close(got, want, 1e-5)
+
+
+def test_attention_decode_in_bfloat16() -> None:
+    c, table = filled([5, 13], False, BF16)
+    q = torch.randn(2, 6, D).to(BF16)
+    ctx = torch.tensor([5, 13], dtype=torch.int32)
+    got = cpu.attention_decode(q, c[0], c[1], table, ctx, D ** -0.5)
+    assert got.dtype == BF16
+    close(got, reference.attention_decode(q, c[0], c[1], table, ctx, D ** -0.5), 1e-2)
+
+
+@pytest.mark.parametrize("int8", [False, True])
+@pytest.mark.parametrize("hq", [2, 6])
+@pytest.mark.parametrize("case", ["one prompt", "cached prefix", "mixed with decodes"])
+def test_attention_prefill_with_cached_prefixes(int8: bool, hq: int, case: str, impl: str) -> None:
+    lens, new = {"one prompt": ([11], [11]), "cached prefix": ([14], [5]),
+                 "mixed with decodes": ([7, 20, 9, 3], [1, 6, 1, 3])}[case]
+    c, table = filled(lens, int8)
+    cu = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.randn(int(cu[-1]), hq, D)
+    ctx = torch.tensor(lens, dtype=torch.int32)
+    got = cpu.attention_prefill(q, c[0], c[1], table, cu, ctx, D ** -0.5, c[2], c[3])
+    want = reference.attention_prefill(q, c[0], c[1], table, cu, ctx, D ** -0.5, c[2], c[3])
+    close(got, want, 1e-5)
+
+
+def test_per_step_values_are_not_reused_after_the_metadata_changes_in_place(impl: str) -> None:
+    c, table = filled([6, 10], False)
+    q = torch.randn(2, 2, D)
+    ctx = torch.tensor([6, 10], dtype=torch.int32)
+    cpu.attention_decode(q, c[0], c[1], table, ctx, D ** -0.5)
+    ctx[0] = 3  # same tensor object, new content
+    got = cpu.attention_decode(q, c[0], c[1], table, ctx, D ** -0.5)
+    close(got, reference.attention_decode(q, c[0], c[1], table, ctx, D ** -0.5), 1e-5)
+    positions = torch.tensor([1, 2])
+    cos_sin = torch.randn(8, D)
+    a, b = torch.randn(2, 2, D), torch.randn(2, 1, D)
+    cpu.rope(a.clone(), b.clone(), positions, cos_sin)
+    positions[0] = 5
+    a2, b2 = a.clone(), b.clone()
+    cpu.rope(a, b, positions, cos_sin)
+    reference.rope(a2, b2, positions, cos_sin)
+    close(a, a2, 1e-6)
+
+
+# --- the embedded model, end to end ------------------------------------------------------------------
+
+PROMPTS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "user", "content": "Write a short poem about the sea."}],
+    [{"role": "system", "content": "You are a helpful coding assistant."},
+     {"role": "user", "content": "How do I reverse a list in Python?"}],
+]
+
+
+def densified(w: LlamaWeights) -> LlamaWeights:
+    """The same weights with every linear dequantized: what the oracle computes per call, done once."""
+    def dense(lw: LinearWeight) -> LinearWeight:
+        return LinearWeight("dense", dequantize(lw), bias=lw.bias)
+
+    layers = [LayerWeights(lay.input_norm, dense(lay.qkv), dense(lay.o), lay.post_norm, dense(lay.gate_up),
+                           dense(lay.down)) for lay in w.layers]
+    return LlamaWeights(w.embed, layers, w.final_norm, dense(w.lm_head))
+
+
+def engine_greedy(model: LlamaModel, prompts: list[list[int]], kernels: str,
+                  monkeypatch: pytest.MonkeyPatch) -> dict[str, list[int]]:
+    from edged.engine.block_manager import BlockManager
+    from edged.engine.llm_engine import LLMEngine
+    from edged.engine.model_runner import ModelRunner
+    from edged.models.batch import KVCache
+    from edged.scheduler.batcher import Batcher, BatchLimits
+
+    monkeypatch.setenv("EDGED_KERNELS", kernels)
+    c = model.config
+    kv = KVCache.allocate(c.num_layers, 32, 16, c.num_kv_heads, c.head_dim, F32, "cpu")
+    blocks = BlockManager(32, 16, True)
+    engine = LLMEngine(ModelRunner(model, kv), blocks, Batcher(blocks, BatchLimits(8, 256)), 512, [],
+                       lambda _: None)
+    reqs = [request(f"p{i}", p, max_tokens=32, ignore_eos=True) for i, p in enumerate(prompts)]
+    return run_to_completion(engine, reqs)
+
+
+def test_engine_greedy_text_on_the_fast_path_equals_the_oracle(loaded_model: LoadedModel,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default CPU build of the embedded model (w4 GGUF layers, w8 lm_head), 3 prompts decoded
+    together (a ragged batch), 32 greedy tokens each: the same text with kernels/cpu.py as with the
+    oracle, which runs on the same weights dequantized once (what it computes at every call)."""
+    if not cpu_native.available():
+        pytest.skip("no C compiler: torch's bf16 kernels are not expected to match float32 greedy text")
+    cfg, tok = loaded_model.config, loaded_model.tokenizer
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # OpenMP threads wait for each other while tests share the cores
+    try:
+        w = build_weights(loaded_model.named_weights, cfg, "auto", F32)
+        fast, oracle, prompts = _fast_and_oracle(loaded_model, w, monkeypatch)
+    finally:
+        torch.set_num_threads(threads)
+    for rid in fast:
+        assert len(fast[rid]) == 32
+        assert tok.decode(fast[rid]) == tok.decode(oracle[rid])
+    assert "Paris" in tok.decode(fast["p0"])
+
+
+def _fast_and_oracle(loaded_model: LoadedModel, w: LlamaWeights, monkeypatch: pytest.MonkeyPatch):
+    cfg, tok = loaded_model.config, loaded_model.tokenizer
+    assert [w.layers[0].qkv.format, w.lm_head.format] == ["w4", "w8"]
+    prompts = [tok.encode(loaded_model.chat_template.render(m)) for m in PROMPTS]
+    fast = engine_greedy(LlamaModel(cfg, w, 512), prompts, "auto", monkeypatch)
+    oracle = engine_greedy(LlamaModel(cfg, densified(w), 512), prompts, "reference", monkeypatch)
+    assert os.environ.get("EDGED_KERNELS") == "reference"
+    return fast, oracle, prompts
