@@ -76,8 +76,9 @@ def _pack(w: LinearWeight) -> CpuPacked:
     if cpu_native.available():
         if w.format == "w8":
             return CpuPacked("native-w8", *cpu_native.pack_w8(w.data, w.scale), n, 0, bias)
-        return CpuPacked("native-w4", *cpu_native.pack_w4(w.data, w.scale, w.minimum, w.group_size), n,
-                         w.group_size, bias)
+        if w.format == "w4":
+            return CpuPacked("native-w4", *cpu_native.pack_w4(w.data, w.scale, w.minimum, w.group_size), n,
+                             w.group_size, bias)
     if w.format == "w8":
         return CpuPacked("torch-w8", w.data.contiguous(), w.scale.to(_BF16), n, 0, bias)
     padded = -(-n // 64) * 64  # the int4 kernel works on blocks of 64 output rows
@@ -129,20 +130,21 @@ _scratch = threading.local()
 
 def _native(x: torch.Tensor, p: CpuPacked) -> torch.Tensor:
     x = x.contiguous()
+    w4 = p.format == "native-w4"
     if x.shape[0] >= DEQUANT_ROWS and p.weight.numel() <= DEQUANT_MAX_ELEMENTS:
-        blocks, k = p.weight.shape[0], x.shape[1]
-        size = blocks * cpu_native.ROWS * k
+        k = x.shape[1]
+        size = p.weight.shape[0] * cpu_native.ROWS * k
         buf = getattr(_scratch, "buf", None)
         if buf is None or buf.numel() < size:
             buf = _scratch.buf = torch.empty(size, dtype=_F32)
-        wt = buf[:size].view(k, -1)  # reused: the weight lives only inside this call
-        if p.format == "native-w4":
+        wt = buf[:size].view(k, -1)  # [K, padded N], reused: the weight lives only inside this call
+        if w4:
             cpu_native.w4_dequant_t(p.weight, p.scale, p.group_size, out=wt)
         else:
             cpu_native.w8_dequant_t(p.weight, p.scale, out=wt)
         y = torch.mm(x, wt)
         return y if y.shape[1] == p.out_features else y[:, :p.out_features]
-    if p.format == "native-w4":
+    if w4:
         return cpu_native.w4_gemm(x, p.weight, p.scale, p.out_features, p.group_size)
     return cpu_native.w8_gemm(x, p.weight, p.scale, p.out_features)
 

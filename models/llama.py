@@ -24,7 +24,7 @@ class LayerWeights:
 
 @dataclass
 class LlamaWeights:
-    embed: torch.Tensor  # [vocab, hidden], dense
+    embed: torch.Tensor | LinearWeight  # [vocab, hidden]: dense, or a tied w8 lm_head whose rows it reads
     layers: list[LayerWeights]
     final_norm: torch.Tensor
     lm_head: LinearWeight
@@ -45,8 +45,8 @@ class LlamaModel:
     def __init__(self, config: ModelConfig, weights: LlamaWeights, max_positions: int | None = None) -> None:
         self.config = config
         self.weights = weights
-        self.device = weights.embed.device
-        self.dtype = weights.embed.dtype
+        self.device = weights.final_norm.device
+        self.dtype = weights.final_norm.dtype
         self.cos_sin = config.rope_cos_sin(max_positions).to(self.device)
         self.scale = config.head_dim ** -0.5
 
@@ -55,7 +55,7 @@ class LlamaModel:
                 kv: KVCache) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm."""
         cfg = self.config
-        h = self.weights.embed[input_ids]
+        h = self.embed(input_ids)
         residual: torch.Tensor | None = None
         for i, layer in enumerate(self.weights.layers):
             x, residual = kernels.rms_norm(h, layer.input_norm, cfg.rms_norm_eps, residual)
@@ -79,6 +79,14 @@ class LlamaModel:
             h = kernels.linear(kernels.silu_and_mul(kernels.linear(x, layer.gate_up)), layer.down)
         out, _ = kernels.rms_norm(h, self.weights.final_norm, cfg.rms_norm_eps, residual)
         return out
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The token embeddings [T, hidden] in the activation dtype."""
+        table = self.weights.embed
+        if isinstance(table, LinearWeight):  # quantized rows (a tied lm_head): dequantize only these
+            rows = LinearWeight(table.format, table.data[input_ids], table.scale[input_ids])
+            return kernels.dequantize(rows, self.dtype)
+        return table[input_ids]
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -97,7 +97,10 @@ def build_weights(named: Named, config: ModelConfig, quant: str = "auto", dtype:
     if head_src is None or config.tie_word_embeddings:
         head_src = embed
     lm_head = prepacked(to_runtime_linear(head_src, None, quant, dtype, device, group_size))
-    return LlamaWeights(embed.to(dtype).to(device), layers, norm("model.norm.weight"), lm_head)
+    table: torch.Tensor | LinearWeight = embed.to(dtype).to(device)
+    if head_src is embed and lm_head.format == "w8" and device.type == "cpu":
+        table = lm_head  # tied: the embedding reads the head's int8 rows instead of a float copy of them
+    return LlamaWeights(table, layers, norm("model.norm.weight"), lm_head)
 
 
 def random_named_weights(config: ModelConfig, seed: int = 0, std: float = 0.02,

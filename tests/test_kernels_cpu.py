@@ -280,7 +280,8 @@ def engine_greedy(model: LlamaModel, prompts: list[list[int]], kernels: str,
 
 def test_engine_greedy_text_on_the_fast_path_equals_the_oracle(loaded_model: LoadedModel,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    """The default CPU build of the embedded model (w4 GGUF layers, w8 lm_head), 3 prompts decoded
+    """The default CPU build of the embedded model (w4 GGUF layers, a w8 lm_head whose int8 rows are
+    also the embedding), 3 prompts decoded
     together (a ragged batch), 32 greedy tokens each: the same text with kernels/cpu.py as with the
     oracle, which runs on the same weights dequantized once (what it computes at every call)."""
     if not cpu_native.available():
@@ -301,7 +302,7 @@ def test_engine_greedy_text_on_the_fast_path_equals_the_oracle(loaded_model: Loa
 
 def _fast_and_oracle(loaded_model: LoadedModel, w: LlamaWeights, monkeypatch: pytest.MonkeyPatch):
     cfg, tok = loaded_model.config, loaded_model.tokenizer
-    assert [w.layers[0].qkv.format, w.lm_head.format] == ["w4", "w8"]
+    assert [w.layers[0].qkv.format, w.lm_head.format] == ["w4", "w8"] and w.embed is w.lm_head
     prompts = [tok.encode(loaded_model.chat_template.render(m)) for m in PROMPTS]
     fast = engine_greedy(LlamaModel(cfg, w, 512), prompts, "auto", monkeypatch)
     oracle = engine_greedy(LlamaModel(cfg, densified(w), 512), prompts, "reference", monkeypatch)
