@@ -3,7 +3,8 @@ and /readyz) at once, lets the streams that can finish within server.drain_timeo
 rest with a final error event, tells systemd STOPPING and exits 0.
 
 No absolute times: the drain timeout is derived in the same run from how long this machine takes to
-serve 16 short streams, and the long streams are far too long for it at any engine speed.
+finish 16 short streams once they have started, and the long streams are far too long for it at any
+engine speed.
 (systemd READY/WATCHDOG/RELOADING and live reload: test_daemon_reload.py.)
 """
 from __future__ import annotations
@@ -61,10 +62,15 @@ def test_sigterm_during_16_live_streams_refuses_new_work_and_ends_each_with_its_
     d = start_daemon(tmp_path, CONFIG % 600, env=notify.env)
     try:
         async def measure() -> float:
-            """Seconds this machine takes to serve 16 short streams at once (prefill included)."""
+            """Seconds this machine takes, with 16 streams running, to go from every stream's first
+            token to the end of the short ones: what the short streams still need when SIGTERM comes."""
             async with H3Client("127.0.0.1", d.port, ca_file=d.ca_file) as c:
+                started = [asyncio.Event() for _ in range(16)]
+                tasks = [asyncio.create_task(read_stream(c, chat(SHORT, f"Warm-up {i}."), started[i]))
+                         for i in range(16)]
+                await asyncio.wait_for(asyncio.gather(*(s.wait() for s in started)), 600)
                 t0 = time.monotonic()
-                await asyncio.gather(*[read_stream(c, chat(SHORT, f"Warm-up {i}.")) for i in range(16)])
+                await asyncio.wait_for(asyncio.gather(*tasks), 600)
                 return time.monotonic() - t0
 
         drain = max(2.0, 3 * asyncio.run(measure()))
