@@ -418,7 +418,7 @@ def test_shutdown_drains_then_ends_streams_with_an_error_event(certs):
                 quick = asyncio.ensure_future(c.request("POST", "/v1/chat/completions", JSON, body()))
                 rs = await c.stream("POST", "/v1/chat/completions", {**JSON, "x-request-id": "long"},
                                     body(stream=True, max_tokens=200, messages=[{"role": "user", "content": "[slow]"}]))
-                shutdown = asyncio.wrap_future(asyncio.run_coroutine_threadsafe(st.server.shutdown(0.3), st.loop))
+                shutdown = asyncio.wrap_future(asyncio.run_coroutine_threadsafe(st.server.shutdown(2.0), st.loop))
                 events = [p async for p in iter_sse(rs)]
                 assert (await quick).status == 200  # finished within the drain window
                 await shutdown
