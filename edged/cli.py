@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 DEFAULT_PORT = 4433
@@ -68,14 +69,24 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks that print a table")
     bench_sub = bench.add_subparsers(dest="bench", metavar="KIND", required=True)
-    decode = bench_sub.add_parser("decode", help="decode tokens/s against the HBM roofline (random weights)")
-    decode.add_argument("--shapes", default="smollm2-135m,llama-3.2-1b,llama-3-8b")
-    decode.add_argument("--quant", default="none,w8,w4")
-    decode.add_argument("--batch", default="1,8,32,64")
-    decode.add_argument("--steps", type=int, default=64)
-    decode.add_argument("--peer", action="store_true", help="also time Hugging Face transformers (static cache)")
+    decode = bench_sub.add_parser("decode", help="decode and prefill tokens/s: random weights against the HBM "
+                                                 "roofline on CUDA; the real model beside llama.cpp on the CPU")
+    decode.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                        help="cuda: random-weight shapes (default when a GPU is present); cpu: the real model")
+    decode.add_argument("--shapes", default="smollm2-135m,llama-3.2-1b,llama-3-8b", help="CUDA: model shapes")
+    decode.add_argument("--quant", default="none,w8,w4", help="CUDA: weight formats")
+    decode.add_argument("--batch", help="batch sizes (default: 1,8,32,64 on CUDA; 1,4,8 on the CPU)")
+    decode.add_argument("--steps", type=int, help="decode steps timed (default 64)")
+    decode.add_argument("--peer", nargs="?", const="transformers", metavar="PEER",
+                        help="also time a peer: transformers (CUDA, the default with a bare --peer) or llama.cpp "
+                             "(CPU; needs pip install llama-cpp-python)")
     decode.add_argument("--engine", action="store_true",
-                        help="also time the whole engine step, serial and overlapped")
+                        help="CUDA: also time the whole engine step, serial and overlapped")
+    decode.add_argument("--model", help="CPU: a .gguf file (default: the embedded SmolLM2)")
+    decode.add_argument("--threads", type=int, help="CPU: threads for edged and the peer (default: physical cores)")
+    decode.add_argument("--prompt-tokens", type=int, default=128, help="CPU: prompt length timed for prefill")
+    decode.add_argument("--context", type=int, default=32, help="CPU: each stream's prompt before decode is timed")
+    decode.add_argument("--repeat", type=int, default=1, help="CPU: runs (fresh processes); medians are printed")
     kern = bench_sub.add_parser("kernels", help="each kernel's GB/s or TFLOP/s against measured ceilings")
     kern.add_argument("--sweep", action="store_true", help="also sweep launch configurations")
     acc = bench_sub.add_parser("accuracy", help="teacher-forced top-1 agreement with float32, per dtype and format")
@@ -91,6 +102,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # OpenMP threads (torch's, the CPU kernels', llama.cpp's in `bench decode --peer`) that wait for work
+    # sleep instead of spinning: on a CPU box whose cores are shared, a spinning waiter holds the core
+    # that the thread it waits for needs, and a step took 5-10x longer (docs/BENCHMARKS.md). Set before
+    # anything loads torch; an explicit OMP_WAIT_POLICY in the environment wins.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         from edged.daemon import run_serve_command

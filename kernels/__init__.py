@@ -47,11 +47,24 @@ def _load_triton() -> ModuleType | None:
     return _triton_ops
 
 
+# EDGED_KERNELS is read at every op (tests and `bench accuracy` set it at run time). os.environ.get costs
+# more than a small CPU op's dispatch; CPython keeps the raw values in os.environ._data, a plain dict.
+_RAW_ENV: dict | None = getattr(os.environ, "_data", None)
+_RAW_KEY = os.environ.encodekey("EDGED_KERNELS") if hasattr(os.environ, "encodekey") else None
+_RAW_REFERENCE = os.environ.encodevalue("reference") if hasattr(os.environ, "encodevalue") else None
+
+
+def _reference_forced() -> bool:
+    if _RAW_ENV is not None and _RAW_KEY is not None:
+        return _RAW_ENV.get(_RAW_KEY) == _RAW_REFERENCE
+    return os.environ.get("EDGED_KERNELS", "auto") == "reference"
+
+
 def backend_for(t: torch.Tensor) -> ModuleType:
     """The implementation module for tensors on t's device."""
-    if os.environ.get("EDGED_KERNELS", "auto") == "reference":
+    if _reference_forced():
         return reference
-    if t.device.type == "cpu":
+    if t.is_cpu:
         return cpu
     if t.is_cuda:
         ops = _load_triton()

@@ -142,43 +142,54 @@ static inline vf vexp(vf x) {
 
 /* ---- weight-only GEMM: blocks of 16 output rows, TASK = 4 blocks (64 rows) per parallel task ---- */
 
-/* RBT blocks of 16 rows (at w, sm) against MB rows of x. Fixed-size arrays and constant MB/RBT after
-   inlining keep the accumulators in registers. SPLIT: separate chains for even and odd columns. */
-static inline __attribute__((always_inline)) void w4_tile(
-    const float *x, const float *xs, int64_t K, int64_t G, int64_t gs,
-    const uint8_t *w, const uint16_t *sm, float *y, int64_t ldy, const int MB, const int RBT)
-{
-    const int SPLIT = MB * RBT < 8;
-    vf acc[8][4], ga[8][4], gb[8][4];
-    for (int m = 0; m < MB; m++) for (int r = 0; r < RBT; r++) acc[m][r] = vzero();
-    const int64_t half = K / 2;
-    for (int64_t g = 0; g < G; g++) {
-        for (int m = 0; m < MB; m++) for (int r = 0; r < RBT; r++) { ga[m][r] = vzero(); gb[m][r] = vzero(); }
-        for (int64_t k = g * gs; k < (g + 1) * gs; k += 2) {
-            for (int r = 0; r < RBT; r++) {
-                vf lo, hi;
-                u4x16(w + (r * half + k / 2) * 16, &lo, &hi);
-                for (int m = 0; m < MB; m++) {
-                    ga[m][r] = vfma(lo, vset1(x[m * K + k]), ga[m][r]);
-                    if (SPLIT) gb[m][r] = vfma(hi, vset1(x[m * K + k + 1]), gb[m][r]);
-                    else ga[m][r] = vfma(hi, vset1(x[m * K + k + 1]), ga[m][r]);
-                }
-            }
-        }
-        for (int r = 0; r < RBT; r++) {
-            const uint16_t *p = sm + ((int64_t)r * G + g) * 32;
-            vf s = vloadh(p), mn = vloadh(p + 16);
-            for (int m = 0; m < MB; m++) {
-                vf dot = SPLIT ? vadd(ga[m][r], gb[m][r]) : ga[m][r];
-                acc[m][r] = vfma(mn, vset1(xs[m * G + g]), vfma(dot, s, acc[m][r]));
-            }
-        }
-    }
-    for (int m = 0; m < MB; m++) for (int r = 0; r < RBT; r++) vstore(y + m * ldy + r * 16, acc[m][r]);
+/* RBT blocks of 16 rows (at w, sm) against MB rows of x, one function per shape so that the
+   accumulators are arrays of exactly that size, kept in registers. SPLIT: separate chains for the
+   even and odd columns when MB * RBT alone gives too few independent chains. */
+#define DEFINE_W4_TILE(MB, RBT)                                                                          \
+static void w4_tile_##MB##_##RBT(const float *x, const float *xs, int64_t K, int64_t G, int64_t gs,      \
+                                 const uint8_t *w, const uint16_t *sm, float *y, int64_t ldy)           \
+{                                                                                                        \
+    enum { SPLIT = MB * RBT < 8 };                                                                       \
+    vf acc[MB][RBT], ga[MB][RBT], gb[MB][RBT];                                                           \
+    for (int m = 0; m < MB; m++) for (int r = 0; r < RBT; r++) acc[m][r] = vzero();                      \
+    const int64_t half = K / 2;                                                                          \
+    for (int64_t g = 0; g < G; g++) {                                                                    \
+        for (int m = 0; m < MB; m++) for (int r = 0; r < RBT; r++) { ga[m][r] = vzero(); gb[m][r] = vzero(); } \
+        for (int64_t k = g * gs; k < (g + 1) * gs; k += 2) {                                             \
+            for (int r = 0; r < RBT; r++) {                                                              \
+                vf lo, hi;                                                                               \
+                u4x16(w + (r * half + k / 2) * 16, &lo, &hi);                                            \
+                for (int m = 0; m < MB; m++) {                                                           \
+                    ga[m][r] = vfma(lo, vset1(x[m * K + k]), ga[m][r]);                                  \
+                    if (SPLIT) gb[m][r] = vfma(hi, vset1(x[m * K + k + 1]), gb[m][r]);                   \
+                    else ga[m][r] = vfma(hi, vset1(x[m * K + k + 1]), ga[m][r]);                         \
+                }                                                                                        \
+            }                                                                                            \
+        }                                                                                                \
+        for (int r = 0; r < RBT; r++) {                                                                  \
+            const uint16_t *p = sm + ((int64_t)r * G + g) * 32;                                          \
+            vf s = vloadh(p), mn = vloadh(p + 16);                                                       \
+            for (int m = 0; m < MB; m++) {                                                               \
+                vf dot = SPLIT ? vadd(ga[m][r], gb[m][r]) : ga[m][r];                                    \
+                acc[m][r] = vfma(mn, vset1(xs[m * G + g]), vfma(dot, s, acc[m][r]));                     \
+            }                                                                                            \
+        }                                                                                                \
+    }                                                                                                    \
+    for (int m = 0; m < MB; m++) for (int r = 0; r < RBT; r++) vstore(y + m * ldy + r * 16, acc[m][r]); \
 }
+#if MB_WIDE
+DEFINE_W4_TILE(8, 1)
+DEFINE_W4_TILE(4, 2)
+DEFINE_W4_TILE(2, 4)
+DEFINE_W4_TILE(1, 4)
+#else
+DEFINE_W4_TILE(2, 1)
+DEFINE_W4_TILE(1, 2)
+#endif
 
 #define W4_TILE(MB, RBT) for (int r = 0; r < 4; r += RBT) \
-    w4_tile(x + m * K, xs + m * G, K, G, gs, wt + r * 16 * (K / 2), st + r * G * 32, y + m * N + t * 64 + r * 16, N, MB, RBT)
+    w4_tile_##MB##_##RBT(x + m * K, xs + m * G, K, G, gs, wt + r * 16 * (K / 2), st + r * G * 32, \
+                         y + m * N + t * 64 + r * 16, N)
 
 void edged_w4_gemm(const float *x, int64_t M, int64_t K, const uint8_t *w, const uint16_t *sm,
                    int64_t N, int64_t gs, float *y, int nthreads)
@@ -485,6 +496,13 @@ def available() -> bool:
     return os.environ.get("EDGED_CPU_NATIVE", "1") != "0" and library() is not None
 
 
+PARALLEL_MACS = 1 << 19  # a GEMM smaller than this runs on one thread: waking a second costs about what it saves
+
+
+def _threads(macs: int) -> int:
+    return torch.get_num_threads() if macs >= PARALLEL_MACS else 1
+
+
 def _padded_rows(n: int) -> int:
     return -(-n // TASK_ROWS) * TASK_ROWS
 
@@ -523,7 +541,7 @@ def w4_gemm(x: torch.Tensor, packed: torch.Tensor, sm: torch.Tensor, n: int, gro
     np_ = packed.shape[0] * ROWS
     y = torch.empty(m, np_, dtype=torch.float32)
     _lib.edged_w4_gemm(x.data_ptr(), m, k, packed.data_ptr(), sm.data_ptr(), np_, group_size, y.data_ptr(),
-                       torch.get_num_threads())
+                       _threads(m * k * np_))
     return y if np_ == n else y[:, :n]
 
 
@@ -533,7 +551,7 @@ def w8_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, n: int) 
     np_ = packed.shape[0] * ROWS
     y = torch.empty(m, np_, dtype=torch.float32)
     _lib.edged_w8_gemm(x.data_ptr(), m, k, packed.data_ptr(), scale.data_ptr(), np_, y.data_ptr(),
-                       torch.get_num_threads())
+                       _threads(m * k * np_))
     return y if np_ == n else y[:, :n]
 
 
@@ -600,5 +618,5 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     _lib.edged_attn_decode(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                            k_scale.data_ptr() if int8 else None, v_scale.data_ptr() if int8 else None, int(int8),
                            block_tables.data_ptr(), block_tables.shape[1], context_lens.data_ptr(), b, hq, hkv, d, s,
-                           scale, out.data_ptr(), torch.get_num_threads())
+                           scale, out.data_ptr(), _threads(b * hq * d * block_tables.shape[1] * s))
     return out

@@ -1,5 +1,7 @@
 """`edged bench decode`: decode tokens/s of random-weight models at real shapes, against the HBM roofline.
 
+(On the CPU, `--device cpu`, the real model beside llama.cpp: edged/bench/decode_cpu.py.)
+
 For each shape, weight format and batch size it times the decode step as the engine runs it on
 CUDA (captured graph replay + sampling, tokens fed back on the device) and reports tokens/s and
 the fraction of the roofline: weight bytes read per step over the copy bandwidth measured first.
@@ -222,9 +224,18 @@ def format_table(bw: float, results: list[DecodeResult], peers: dict[tuple[str, 
 
 
 def run_decode_bench(args: argparse.Namespace) -> int:
+    device = getattr(args, "device", "auto")
+    if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
+        from edged.bench.decode_cpu import run_cpu_decode_bench
+        return run_cpu_decode_bench(args)
     if not torch.cuda.is_available():
-        print("edged bench decode: needs a CUDA GPU (the CPU path is the torch reference, not a fast path)")
+        print("edged bench decode --device cuda: no CUDA GPU here (--device cpu times the CPU path)")
         return 1
+    if args.peer not in (None, "transformers"):
+        print(f"edged bench decode: on CUDA the peer is transformers, not {args.peer!r}")
+        return 2
+    args.batch = args.batch or "1,8,32,64"
+    args.steps = args.steps or 64
     shapes = [s for s in args.shapes.split(",") if s]
     unknown = [s for s in shapes if s not in MODEL_SHAPES]
     if unknown:
