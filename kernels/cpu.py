@@ -110,7 +110,9 @@ def linear(x: torch.Tensor, w: LinearWeight, out_dtype: torch.dtype | None = Non
     """y = x @ W^T + b, accumulated in fp32, returned in out_dtype (default: x's dtype)."""
     out_dtype = out_dtype or x.dtype
     p = _packed(w)
-    if p.format == "dense":
+    if p.format == "dense" and out_dtype == _F32 and x.dtype != _F32:
+        y = F.linear(x.to(_F32), p.weight.to(_F32))  # float32 logits: no half-precision rounding before argmax
+    elif p.format == "dense":
         y = F.linear(x, p.weight if p.weight.dtype == x.dtype else p.weight.to(x.dtype))
     elif p.format.startswith("native"):
         y = _native(x if x.dtype == _F32 else x.to(_F32), p)
