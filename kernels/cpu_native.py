@@ -618,5 +618,5 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     _lib.edged_attn_decode(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                            k_scale.data_ptr() if int8 else None, v_scale.data_ptr() if int8 else None, int(int8),
                            block_tables.data_ptr(), block_tables.shape[1], context_lens.data_ptr(), b, hq, hkv, d, s,
-                           scale, out.data_ptr(), _threads(b * hq * d * block_tables.shape[1] * s))
+                           scale, out.data_ptr(), _threads(b * hkv * d * block_tables.shape[1] * s // 8))
     return out

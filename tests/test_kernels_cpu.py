@@ -308,3 +308,19 @@ def _fast_and_oracle(loaded_model: LoadedModel, w: LlamaWeights, monkeypatch: py
     oracle = engine_greedy(LlamaModel(cfg, densified(w), 512), prompts, "reference", monkeypatch)
     assert os.environ.get("EDGED_KERNELS") == "reference"
     return fast, oracle, prompts
+
+
+def test_bench_decode_cpu_table_reports_the_ratios_the_issue_asks_for() -> None:
+    from edged.bench.decode_cpu import format_table, median_result
+
+    def run(system: str, scale: float) -> dict:
+        return {"system": system, "weights": "w4", "threads": 2, "prefill_tok_s": 300 * scale, "rss_mb": 500,
+                "peak_rss_mb": 700, "decode": {"1": {"tok_s": 60 * scale, "step_ms": 16.7 / scale},
+                                               "8": {"tok_s": 180 * scale, "step_ms": 44.4 / scale}}}
+
+    edged = median_result([run("edged", 1.0), run("edged", 0.5), run("edged", 2.0)])
+    assert edged["decode"]["1"]["tok_s"] == 60 and edged["runs"] == 3
+    text = format_table([edged, median_result([run("llama.cpp", 2.0)])],
+                        {"model": None, "threads": 2, "prompt_tokens": 128, "context": 32, "steps": 64, "repeat": 3})
+    assert "edged batch 8 / batch 1 aggregate tok/s: 3.00x" in text
+    assert "edged / llama.cpp: batch-1 decode 0.50x, prefill 0.50x" in text
