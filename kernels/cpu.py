@@ -37,7 +37,14 @@ DEQUANT_ROWS = 32  # rows from which a quantized linear dequantizes into scratch
 DEQUANT_MAX_ELEMENTS = 1 << 23  # ... unless the weight is larger than this (a vocabulary-sized lm_head)
 _BF16 = torch.bfloat16
 _F32 = torch.float32
-_NATIVE = cpu_native.available()  # the C kernels built (or found in the cache) at import
+_NATIVE: bool | None = None  # whether the C kernels of cpu_native.py run here: decided at the first op
+
+
+def _native() -> bool:
+    global _NATIVE
+    if _NATIVE is None:
+        _NATIVE = cpu_native.available()
+    return _NATIVE
 
 
 # --- linear ------------------------------------------------------------------------------------------
@@ -73,7 +80,7 @@ def _pack(w: LinearWeight) -> CpuPacked:
         return CpuPacked("dense", w.data, None, n, 0, bias)
     if w.format not in ("w4", "w8"):
         raise ValueError(f"unknown weight format {w.format!r}")
-    if cpu_native.available():
+    if _native():
         if w.format == "w8":
             return CpuPacked("native-w8", *cpu_native.pack_w8(w.data, w.scale), n, 0, bias)
         if w.format == "w4":
@@ -115,7 +122,7 @@ def linear(x: torch.Tensor, w: LinearWeight, out_dtype: torch.dtype | None = Non
     elif p.format == "dense":
         y = F.linear(x, p.weight if p.weight.dtype == x.dtype else p.weight.to(x.dtype))
     elif p.format.startswith("native"):
-        y = _native(x if x.dtype == _F32 else x.to(_F32), p)
+        y = _native_linear(x if x.dtype == _F32 else x.to(_F32), p)
     elif p.format == "torch-w4":
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(_BF16).contiguous(), p.weight, p.group_size, p.scale)
         sums = x.to(_F32).view(x.shape[0], -1, p.group_size).sum(-1)
@@ -130,7 +137,7 @@ def linear(x: torch.Tensor, w: LinearWeight, out_dtype: torch.dtype | None = Non
 _scratch = threading.local()
 
 
-def _native(x: torch.Tensor, p: CpuPacked) -> torch.Tensor:
+def _native_linear(x: torch.Tensor, p: CpuPacked) -> torch.Tensor:
     x = x.contiguous()
     w4 = p.format == "native-w4"
     if x.shape[0] >= DEQUANT_ROWS and p.weight.numel() <= DEQUANT_MAX_ELEMENTS:
@@ -156,7 +163,7 @@ def _native(x: torch.Tensor, p: CpuPacked) -> torch.Tensor:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused residual add + RMSNorm: h = x + residual; returns (norm(h) * weight, h); norm in fp32."""
-    if (_NATIVE and x.dtype == _F32 and weight.dtype == _F32 and x.shape[-1] % 16 == 0 and x.is_contiguous()
+    if (_native() and x.dtype == _F32 and weight.dtype == _F32 and x.shape[-1] % 16 == 0 and x.is_contiguous()
             and (residual is None or (residual.dtype == _F32 and residual.is_contiguous()))):
         return cpu_native.rms_norm(x, weight, eps, residual)
     h = x if residual is None else x + residual
@@ -219,7 +226,7 @@ def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: tor
     """Rotary embedding (rotate-half layout) in place on q [T,Hq,D] and k [T,Hk,D], in fp32."""
     qk = _joined(q, k)
     parts = (q, k) if qk is None else (qk,)
-    if (_NATIVE and q.dtype == _F32 and cos_sin.dtype == _F32 and cos_sin.is_contiguous()
+    if (_native() and q.dtype == _F32 and cos_sin.dtype == _F32 and cos_sin.is_contiguous()
             and positions.dtype == torch.int64 and positions.is_contiguous()
             and all(t.stride()[1:] == (t.shape[2], 1) for t in parts)):
         for t in parts:
@@ -238,7 +245,7 @@ def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: tor
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """SwiGLU: silu(x[..., :I]) * x[..., I:], in fp32."""
-    if _NATIVE and x.dtype == _F32 and x.shape[-1] % 32 == 0 and x.is_contiguous():
+    if _native() and x.dtype == _F32 and x.shape[-1] % 32 == 0 and x.is_contiguous():
         return cpu_native.silu_mul(x)
     if x.dtype == _F32:
         gate, up = x.chunk(2, dim=-1)
@@ -269,7 +276,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
              slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
              v_scale: torch.Tensor | None = None) -> None:
     """Scatter this step's k, v [T,Hkv,D] into the paged cache at slot_mapping (skipping -1)."""
-    if (_NATIVE and k_scale is None and k_cache.dtype == _F32 and k.dtype == _F32 and v.dtype == _F32
+    if (_native() and k_scale is None and k_cache.dtype == _F32 and k.dtype == _F32 and v.dtype == _F32
             and k_cache.is_contiguous() and v_cache.is_contiguous() and slot_mapping.dtype == torch.int64
             and slot_mapping.is_contiguous() and k.stride()[1:] == (k.shape[2], 1) and v.stride()[1:] == (v.shape[2], 1)):
         cpu_native.write_kv(k, v, k_cache, v_cache, slot_mapping)
@@ -342,7 +349,7 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """One new query per sequence, q [B,Hq,D], over its whole cached context: the native kernel reads the
     blocks in place (float32 or int8 caches, float32 q); otherwise one gather and one batched SDPA."""
     b, hq, d = q.shape
-    if (_NATIVE and q.dtype == _F32 and d % 16 == 0 and d <= 256 and q.is_contiguous()
+    if (_native() and q.dtype == _F32 and d % 16 == 0 and d <= 256 and q.is_contiguous()
             and k_cache.dtype in (_F32, torch.int8) and k_cache.is_contiguous() and v_cache.is_contiguous()
             and block_tables.dtype == torch.int32 and block_tables.is_contiguous()
             and context_lens.dtype == torch.int32 and context_lens.is_contiguous()
