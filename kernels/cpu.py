@@ -122,13 +122,16 @@ def linear(x: torch.Tensor, w: LinearWeight, out_dtype: torch.dtype | None = Non
     elif p.format == "dense":
         y = F.linear(x, p.weight if p.weight.dtype == x.dtype else p.weight.to(x.dtype))
     elif p.format.startswith("native"):
-        y = _native_linear(x if x.dtype == _F32 else x.to(_F32), p)
+        xf = (x if x.dtype == _F32 else x.to(_F32)).reshape(-1, x.shape[-1])
+        y = _native_linear(xf, p).reshape(*x.shape[:-1], p.out_features)
     elif p.format == "torch-w4":
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(_BF16).contiguous(), p.weight, p.group_size, p.scale)
-        sums = x.to(_F32).view(x.shape[0], -1, p.group_size).sum(-1)
-        y = torch.addmm(y.to(_F32), sums, p.offset_rest)[:, :p.out_features]
+        x2 = x.reshape(-1, x.shape[-1])
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(_BF16).contiguous(), p.weight, p.group_size, p.scale)
+        sums = x2.to(_F32).view(x2.shape[0], -1, p.group_size).sum(-1)
+        y = torch.addmm(y.to(_F32), sums, p.offset_rest)[:, :p.out_features].reshape(*x.shape[:-1], -1)
     else:
-        y = torch.ops.aten._weight_int8pack_mm(x.to(_BF16).contiguous(), p.weight, p.scale)
+        x2 = x.reshape(-1, x.shape[-1]).to(_BF16).contiguous()
+        y = torch.ops.aten._weight_int8pack_mm(x2, p.weight, p.scale).view(*x.shape[:-1], -1)
     if p.bias is not None:
         y = y.to(_F32).add_(p.bias)
     return y if y.dtype == out_dtype else y.to(out_dtype)

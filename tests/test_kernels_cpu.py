@@ -78,6 +78,15 @@ def test_linear_matches_the_oracle(kind: str, rows: int, impl: str) -> None:
     close(got, want, 2e-6 if impl == "native" or kind == "dense" else 2e-2)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_linear_takes_any_leading_dimensions(kind: str, impl: str) -> None:
+    w = weights(kind, 72, 128)
+    x = torch.randn(2, 3, 128)
+    got = cpu.linear(x, w)
+    assert got.shape == (2, 3, 72)
+    close(got, reference.linear(x, w), 2e-6 if impl == "native" or kind == "dense" else 2e-2)
+
+
 @pytest.mark.parametrize("kind", ["dense", "w8", "w4-g32", "w4-q4_1"])
 def test_linear_in_bfloat16_rounds_once_and_logits_come_out_in_float32(kind: str) -> None:
     w = weights(kind, 64, 128)
