@@ -352,12 +352,13 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """One new query per sequence, q [B,Hq,D], over its whole cached context: the native kernel reads the
     blocks in place (float32 or int8 caches, float32 q); otherwise one gather and one batched SDPA."""
     b, hq, d = q.shape
-    if (_native() and q.dtype == _F32 and d % 16 == 0 and d <= 256 and q.is_contiguous()
+    if (_native() and q.dtype == _F32 and d % 16 == 0 and d <= 256
             and k_cache.dtype in (_F32, torch.int8) and k_cache.is_contiguous() and v_cache.is_contiguous()
             and block_tables.dtype == torch.int32 and block_tables.is_contiguous()
             and context_lens.dtype == torch.int32 and context_lens.is_contiguous()
             and (k_scale is None) == (k_cache.dtype == _F32)):
-        return cpu_native.attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale)
+        return cpu_native.attention_decode(q.contiguous(), k_cache, v_cache, block_tables, context_lens, scale,
+                                           k_scale, v_scale)
     lay = _decode_layout(block_tables, context_lens, k_cache.shape[1])
     k = _gather(k_cache, k_scale, lay.index, b, lay.length)
     v = _gather(v_cache, v_scale, lay.index, b, lay.length)
