@@ -22,6 +22,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -437,12 +438,21 @@ def _cache_dir() -> Path:
     raise OSError("no writable cache directory for the CPU kernels")
 
 
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return platform.processor()
+
+
 def _compile() -> ctypes.CDLL:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise OSError("no C compiler (cc/gcc) on PATH")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256("\0".join([_SOURCE, *_FLAGS, version, sys.platform]).encode()).hexdigest()[:16]
+    # -march=native: a library built for another CPU (a home directory shared between machines) must not load
+    key = hashlib.sha256("\0".join([_SOURCE, *_FLAGS, version, sys.platform, _cpu_flags()]).encode()).hexdigest()[:16]
     out = _cache_dir() / f"cpu_kernels-{key}.so"
     if not out.exists():
         with tempfile.TemporaryDirectory() as tmp:
