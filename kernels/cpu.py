@@ -7,13 +7,14 @@
   C compiler is available, torch's own weight-only kernels (`_weight_int4pack_mm_for_cpu`,
   `_weight_int8pack_mm`) run instead: vectorized on x86 only for bfloat16, so activations, scales
   and results pass through bfloat16 there (greedy text may then differ from the oracle's).
-- attention: decode gathers every sequence's blocks with one `index_select` into a padded
-  [B, L] layout and runs one masked `scaled_dot_product_attention` (no per-sequence loop);
-  prefill runs SDPA per sequence with a prompt chunk and batches its single-token rows as decodes.
-  Scores, softmax and the value sum are computed in fp32 whatever the activation dtype.
-- rope, rms_norm, silu_and_mul, write_kv: a few fused torch calls each; per-step values shared by
-  every layer (rope's cos/sin rows, the attention gather index and mask, the KV slots) are
-  computed once per step and reused by the next layers while the step's metadata is unchanged.
+- attention: decode runs one C kernel over every sequence's blocks in place (no per-sequence loop,
+  no gather copy; float32 or int8 caches); otherwise (bf16) one `index_select` gathers the blocks
+  into a padded [B, L] layout for one masked `scaled_dot_product_attention`. Prefill runs SDPA per
+  sequence with a prompt chunk and batches its single-token rows as decodes. Scores, softmax and the
+  value sum are computed in fp32 whatever the activation dtype.
+- rope, rms_norm (+ residual), silu_and_mul, write_kv: one C call each in float32, a few torch calls
+  otherwise, with the per-step values that every layer shares (rope's cos/sin rows, the KV slots, the
+  attention gather index and mask) computed once per step.
 
 `prepack(w)` builds the kernel layout of a weight once (at load); `linear` packs on first use
 otherwise. The packed form hangs off the LinearWeight (`w.cpu_packed`); the LinearWeight itself is

@@ -1,4 +1,6 @@
-"""Weight-only int4/int8 GEMM for the CPU in float32, compiled from C on first use.
+"""CPU kernels in C, compiled on first use: float32 weight-only int4/int8 GEMM, the element-wise ops of
+a decoder layer (rms_norm + residual, rope, SiLU-and-mul, the KV write) and decode attention straight
+from the paged cache, each one call from Python (no per-op torch dispatch in the hot loop).
 
 torch's CPU weight-only kernels (`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`) are
 vectorized on x86 only for bfloat16: float32 takes a scalar loop 30-100x slower, and the bf16 path
@@ -12,7 +14,9 @@ Layout (`pack_w4`, `pack_w8`): output rows in blocks of 16, one SIMD vector per 
   per group, the 16 rows' scales then their minimums in float16 (GGUF's own precision);
   y = sum over groups of scale * sum_k q x_k + minimum * sum_k x_k.
 - w8: for each column k, the 16 rows' int8 values; one float32 scale per row, applied at the end.
-The C source is compiled with the system C compiler (-O3 -march=native -fopenmp, about a second)
+Both are copies made at load (`cpu.prepack`); the LinearWeight keeps its own layout for the oracle.
+Threads: OpenMP, `torch.get_num_threads()` for GEMMs of at least PARALLEL_MACS multiply-adds, one
+below. The C source is compiled with the system C compiler (-O3 -march=native -fopenmp, about a second)
 into a per-user cache; without a compiler `available()` is False and kernels/cpu.py falls back to
 torch's bfloat16 kernels.
 """
