@@ -82,7 +82,7 @@ def _pack(w: LinearWeight) -> CpuPacked:
     if w.format not in ("w4", "w8"):
         raise ValueError(f"unknown weight format {w.format!r}")
     if _native():
-        if w.format == "w8":
+        if w.format == "w8" and w.in_features % 2 == 0:  # the kernel takes columns in pairs
             return CpuPacked("native-w8", *cpu_native.pack_w8(w.data, w.scale), n, 0, bias)
         if w.format == "w4":
             return CpuPacked("native-w4", *cpu_native.pack_w4(w.data, w.scale, w.minimum, w.group_size), n,

@@ -101,6 +101,12 @@ def test_linear_in_bfloat16_rounds_once_and_logits_come_out_in_float32(kind: str
     close(cpu.linear(x, w), want, 1e-2)
 
 
+def test_w8_with_an_odd_number_of_columns(impl: str) -> None:
+    w = quantize_w8(torch.randn(40, 75))
+    x = torch.randn(3, 75)
+    close(cpu.linear(x, w), reference.linear(x, w), 2e-2)
+
+
 def test_prepack_keeps_the_weight_readable_by_the_oracle() -> None:
     w = quantize_w4(torch.randn(64, 64), 32)
     before = dequantize(w)
