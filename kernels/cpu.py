@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import cpu_native
+from . import cpu_native, reference
 from .reference import quantize_kv_int8
 from .reference import sample as sample  # noqa: PLC0414 - one per-step op: the reference is the implementation
 from .weights import LinearWeight
@@ -57,7 +57,7 @@ class CpuPacked:
     native-w4 / native-w8: cpu_native's layout (weight, scale: float16 scales+minimums or float32 scales);
     torch-w4 / torch-w8: torch's bfloat16 kernels (weight: int4pack or int8, scale: bf16 scale-and-zero
     or bf16 scales, offset_rest: the part of the Q4 offsets that bf16 could not hold, fp32 or None);
-    dense: the weight itself."""
+    dense: the weight itself; oracle: a shape that no kernel here takes, computed by reference.linear."""
 
     format: str
     weight: torch.Tensor
@@ -87,8 +87,10 @@ def _pack(w: LinearWeight) -> CpuPacked:
         if w.format == "w4":
             return CpuPacked("native-w4", *cpu_native.pack_w4(w.data, w.scale, w.minimum, w.group_size), n,
                              w.group_size, bias)
-    if w.format == "w8":
+    if w.format == "w8" and w.in_features % 16 == 0:  # torch's int8 kernel misreads other widths
         return CpuPacked("torch-w8", w.data.contiguous(), w.scale.to(_BF16), n, 0, bias)
+    if w.format == "w8":
+        return CpuPacked("oracle", w.data, None, n, 0, bias)
     padded = -(-n // 64) * 64  # the int4 kernel works on blocks of 64 output rows
     q = torch.zeros(padded, w.in_features, dtype=torch.int32)
     q[:n] = torch.stack(((w.data & 0x0F), (w.data >> 4)), dim=-1).view(n, -1)
@@ -118,6 +120,8 @@ def linear(x: torch.Tensor, w: LinearWeight, out_dtype: torch.dtype | None = Non
     """y = x @ W^T + b, accumulated in fp32, returned in out_dtype (default: x's dtype)."""
     out_dtype = out_dtype or x.dtype
     p = _packed(w)
+    if p.format == "oracle":  # a shape that no CPU kernel here takes
+        return reference.linear(x, w, out_dtype=out_dtype)
     if p.format == "dense" and out_dtype == _F32 and x.dtype != _F32:
         y = F.linear(x.to(_F32), p.weight.to(_F32))  # float32 logits: no half-precision rounding before argmax
     elif p.format == "dense":
