@@ -1,8 +1,9 @@
 """The fast CPU kernels (kernels/cpu.py) against the plain-torch oracle (kernels/reference.py).
 
 Each op on small shapes in float32 (tight tolerances: both compute in fp32, in a different order)
-and in bfloat16, then the embedded model end to end: the engine's greedy text on the fast path
-equals the oracle's for 32 tokens on 3 chat prompts run together.
+and in bfloat16, both with the C kernels of kernels/cpu_native.py and with the torch calls that
+replace them where no C compiler is; then the embedded model end to end: the engine's greedy text on
+the fast path equals the oracle's for 32 tokens on 3 chat prompts run together.
 """
 from __future__ import annotations
 
