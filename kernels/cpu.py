@@ -286,7 +286,8 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     """Scatter this step's k, v [T,Hkv,D] into the paged cache at slot_mapping (skipping -1)."""
     if (_native() and k_scale is None and k_cache.dtype == _F32 and k.dtype == _F32 and v.dtype == _F32
             and k_cache.is_contiguous() and v_cache.is_contiguous() and slot_mapping.dtype == torch.int64
-            and slot_mapping.is_contiguous() and k.stride()[1:] == (k.shape[2], 1) and v.stride()[1:] == (v.shape[2], 1)):
+            and slot_mapping.is_contiguous() and k.stride()[1:] == (k.shape[2], 1)
+            and v.stride()[1:] == (v.shape[2], 1)):
         cpu_native.write_kv(k, v, k_cache, v_cache, slot_mapping)
         return
     slots, keep = _slots(slot_mapping)

@@ -149,7 +149,8 @@ def llama_cpp_worker(cfg: dict[str, Any]) -> dict[str, Any]:
     decode = {}
     for b in batches:
         L.llama_memory_clear(memory, True)
-        rows = [(t, p, s, p == ctx - 1) for s in range(b) for p, t in enumerate(token_ids(ctx, 2000 + 97 * b + s, vocab))]
+        prompts = [token_ids(ctx, 2000 + 97 * b + s, vocab) for s in range(b)]
+        rows = [(t, p, s, p == ctx - 1) for s in range(b) for p, t in enumerate(prompts[s])]
         toks = decode_step(rows)
         pos = ctx
         for i in range(2 + steps):
