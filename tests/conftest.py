@@ -1,7 +1,13 @@
 """Shared fixtures. The embedded default model is loaded once per test session."""
 from __future__ import annotations
 
-import json
+import os
+
+# Before torch loads: OpenMP threads that spin while idle starve the daemons the tests start on a 2-core
+# machine (edged's CLI sets the same default for the processes it runs).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import json  # noqa: E402
 from collections.abc import Callable
 from pathlib import Path
 
