@@ -94,8 +94,11 @@ def test_a_repeated_greedy_request_is_a_cache_hit_without_engine_work_and_surviv
 
 
 @pytest.mark.timeout(1500)
-def test_sigkill_during_heavy_cache_writes_leaves_a_cache_that_opens_20_times_in_a_row(tmp_path: Path) -> None:
-    config = "model:\n  max_num_seqs: 32\n"
+def test_sigkill_during_heavy_cache_writes_leaves_a_cache_that_opens_20_times_in_a_row(
+        tmp_path: Path, tiny_hf_dir) -> None:
+    # What is under test is the result cache, not the model: a tiny random-weight model (the real
+    # tokenizer and template) loads in a moment, so twenty real daemon starts stay cheap.
+    config = f"model:\n  max_num_seqs: 32\n  path: {tiny_hf_dir('llama')}\n"
     for round_no in range(20):
         d = start_daemon(tmp_path, config)
         assert "moved aside" not in d.log_text()
