@@ -94,6 +94,20 @@ def _check_sha256(value: str) -> str | None:
             "make one with: printf %s KEY | sha256sum")
 
 
+def _check_workers(value: str) -> str | None:
+    if value == "auto" or (value.isdigit() and 1 <= int(value) <= 64):
+        return None
+    return f"must be auto or a number of worker processes from 1 to 64; got {value!r}"
+
+
+def auto_workers(value: str, cores: int | None = None) -> int:
+    """server.workers -> a count: auto is one per spare core (the engine core keeps one), 1 to 8."""
+    if value != "auto":
+        return int(value)
+    cores = cores or len(os.sched_getaffinity(0))
+    return max(1, min(8, cores - 1))
+
+
 def _check_name(value: str) -> str | None:
     if re.fullmatch(r"[A-Za-z0-9_-]{1,32}", value):
         return None
@@ -113,6 +127,8 @@ class ServerConfig:
     max_concurrent_streams: int = _f(128, gt=0)  # per QUIC connection
     request_timeout_s: float = _f(600.0, gt=0)
     drain_timeout_s: float = _f(30.0, ge=0)
+    # Front-end worker processes sharing the UDP port (SO_REUSEPORT); "auto": see auto_workers.
+    workers: str = _f("auto", check=_check_workers, int_ok=True)
 
     @property
     def host(self) -> str:
@@ -355,6 +371,8 @@ class _Parser:
                 return self.err(path, f"must be a number, got {_show(v)}")
             v = float(v)
         elif tp is str:
+            if meta.get("int_ok") and isinstance(v, int) and not isinstance(v, bool):
+                v = str(v)
             if not isinstance(v, str):
                 return self.err(path, f"must be a string, got {_show(v)}")
             if meta.get("lower"):
@@ -576,7 +594,7 @@ def apply_overrides(config: Config, *, listen: str | None = None, state_dir: str
 # ------------------------------------------------------------------------------------ live reload
 
 # Keys (or prefixes) whose change takes effect only after a restart; everything else applies live.
-RESTART_REQUIRED = ("model", "server.listen", "server.certfile", "server.keyfile", "server.state_dir",
+RESTART_REQUIRED = ("model", "server.listen", "server.workers", "server.certfile", "server.keyfile", "server.state_dir",
                     "cache.host_spill_bytes", "scheduler.pin_threads")
 
 
