@@ -98,6 +98,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_client_flags(srv)
     from edged.bench.serve import add_arguments as add_serve_arguments
     add_serve_arguments(srv)
+    trn = bench_sub.add_parser(
+        "transport", help="the front end alone: a tiny model served by a daemon this starts, swept over concurrency",
+        description="Start `edged serve` on a tiny random-weight model (the default model's tokenizer and chat "
+                    "template) on a free loopback port, sweep closed-loop concurrency from several client "
+                    "processes, and print per phase: token events/s, tokens/s, TTFT, ITL and QUIC handshake "
+                    "percentiles, and each daemon process's CPU use. Stops the daemon with SIGTERM at the end.")
+    from edged.bench.transport import add_arguments as add_transport_arguments
+    add_transport_arguments(trn)
     return parser
 
 

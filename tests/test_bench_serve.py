@@ -1,6 +1,6 @@
-"""`edged bench serve`: the report's arithmetic, the load generator against a fake engine over real
-HTTP/3, and the acceptance run against the real daemon on CPU: over capacity, gold keeps its TTFT
-target while bronze is refused with 429."""
+"""`edged bench serve`: the report's arithmetic, the load split over client processes, the load generator
+against a fake engine over real HTTP/3 (from one client process and from two), and the acceptance run
+against the real daemon on CPU: over capacity, gold keeps its TTFT target while bronze is refused with 429."""
 from __future__ import annotations
 
 import argparse
@@ -12,6 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from edged.bench.clients import split_phase
+from edged.bench.load import WorkItem
 from edged.bench.report import (
     RequestResult,
     format_phase,
@@ -25,6 +27,7 @@ from edged.bench.report import (
 from edged.bench.serve import (
     BenchConfig,
     add_arguments,
+    arrival_offsets,
     build_workload,
     load_dataset,
     parse_numbers,
@@ -127,6 +130,7 @@ def test_table_json_and_plot_from_a_two_phase_report(tmp_path: Path) -> None:
     assert "rate 4 req/s (Poisson)" in text
     header = next(line for line in text.splitlines() if line.startswith("tier") and "429" in line)
     assert "SLA %" in header and "goodput/s" in header
+    assert "handshake p50 ms" in header and "handshake p99 ms" in header
     assert any(line.split()[:2] == ["gold", "TTFT"] for line in text.splitlines())
 
     write_json(tmp_path / "r.json", report)
@@ -186,6 +190,58 @@ def test_dataset_lines_give_prompts_lengths_and_optional_tiers(tmp_path: Path) -
         load_dataset(str(path))
 
 
+def test_handshakes_and_client_cpu_belong_to_the_phase_and_show_on_the_all_row() -> None:
+    p = summarize_phase([result(tokens=3)], 2.0, {}, {"rate": None, "concurrency": 1},
+                        handshakes=[0.004, 0.002, 0.010], client_cpu_s=[0.5, 1.0])
+    assert p["handshake"]["n"] == 3 and p["handshake"]["p50"] == 4.0
+    assert p["client_cpu_pct"] == [25.0, 50.0]
+    lines = format_phase(p).splitlines()
+    assert "2 client processes, busiest at 50% of a core" in lines[0]
+    gold = next(line for line in lines if line.startswith("gold "))
+    every = next(line for line in lines if line.startswith("all "))
+    assert "4.00" not in gold and every.split()[-2:] == ["4.00", f"{np.percentile([2, 4, 10], 99):.2f}"]
+
+
+def test_token_events_count_text_chunks_apart_from_tokens() -> None:
+    r = result(tokens=10)
+    r.events = 7  # three chunks carried two tokens each
+    s = summarize_tier([r], 2.0, None)
+    assert s["token_events"] == 7 and s["token_event_throughput"] == 3.5 and s["output_token_throughput"] == 5.0
+
+
+# ---------------------------------------------------------------------- the load over N clients
+
+
+def items(n: int) -> list[WorkItem]:
+    return [WorkItem(f"p{i}", 4, "gold") for i in range(n)]
+
+
+def test_a_closed_loop_splits_concurrency_evenly_and_requests_in_proportion() -> None:
+    shares = split_phase(items(20), 3, concurrency=8, streams_per_connection=4)
+    assert [s.concurrency for s in shares] == [3, 3, 2]
+    assert [len(s.items) for s in shares] == [8, 7, 5]  # 20 requests over 8 slots: 3 + 3 + 2 slots
+    assert sorted(i.prompt for s in shares for i in s.items) == sorted(i.prompt for i in items(20))
+    assert all(s.offsets is None and s.warm == s.concurrency for s in shares)
+    # no more clients than requests in flight; one client takes the whole phase
+    assert [s.concurrency for s in split_phase(items(4), 8, concurrency=2)] == [1, 1]
+    [whole] = split_phase(items(5), 1, concurrency=3)
+    assert whole.concurrency == 3 and [i.prompt for i in whole.items] == [f"p{i}" for i in range(5)]
+
+
+def test_an_open_loop_deals_arrivals_round_robin_and_keeps_their_send_times() -> None:
+    offsets = arrival_offsets(random.Random(0), 10.0, 7)
+    assert offsets[0] == 0 and offsets == sorted(offsets)
+    shares = split_phase(items(7), 2, offsets=offsets, streams_per_connection=2)
+    assert [i.prompt for i in shares[0].items] == ["p0", "p2", "p4", "p6"] and shares[0].offsets == offsets[0::2]
+    assert shares[1].offsets == offsets[1::2] and [s.warm for s in shares] == [2, 2]
+    # the same seed gives today's schedule: a draw per arrival after the first
+    rng = random.Random(0)
+    at = [0.0]
+    for _ in range(6):
+        at.append(at[-1] + rng.expovariate(10.0))
+    assert offsets == at
+
+
 # ------------------------------------------------ the load generator over HTTP/3, fake engine
 
 
@@ -236,6 +292,45 @@ def test_bench_over_http3_times_every_token_and_counts_the_429s(fake_server) -> 
 
 
 @pytest.mark.timeout(60)
+def test_two_client_processes_complete_as_many_requests_as_one_and_merge_their_percentiles(fake_server) -> None:
+    st, ca = fake_server
+    phases = {}
+    for clients in (1, 2):
+        cfg = BenchConfig(port=st.port, ca_file=ca, concurrencies=[4], requests=12, prompt_tokens=8, output_tokens=5,
+                          tier_mix={"gold": 2, "bronze": 1}, targets_ms={"gold": 60000}, streams_per_connection=2,
+                          clients=clients)
+        [phases[clients]] = asyncio.run(asyncio.wait_for(run_bench(cfg), 40))["phases"]
+    one, two = phases[1], phases[2]
+    for tier in ("gold", "bronze"):
+        for key in ("sent", "admitted", "completed", "rejected", "errors", "output_tokens"):
+            assert one["tiers"][tier][key] == two["tiers"][tier][key], (tier, key)
+    assert two["tiers"]["gold"]["completed"] == 8 and two["tiers"]["bronze"]["rejected"] == {"429": 4}
+    assert len(one["client_cpu_pct"]) == 1 and len(two["client_cpu_pct"]) == 2
+    # each client opened its own connections (2 streams each for its 2 requests in flight), timed apart
+    assert two["handshake"]["n"] >= 2 and two["handshake"]["p50"] > 0
+    # the merged phase: every request once, in send order from the common start, and its percentiles
+    # are those of the union of both clients' requests
+    reqs = two["requests"]
+    assert len(reqs) == 12 and [r["start"] for r in reqs] == sorted(r["start"] for r in reqs)
+    gold = two["tiers"]["gold"]
+    ttfts = [r["ttft_ms"] for r in reqs if r["tier"] == "gold"]
+    itls = [g for r in reqs if r["tier"] == "gold" for g in r["itl_ms"]]
+    assert gold["ttft"]["n"] == 8 and gold["itl"]["n"] == 8 * 4 == len(itls)
+    assert gold["ttft"]["p50"] == pytest.approx(percentile(ttfts, 50), abs=1e-3)
+    assert gold["itl"]["p99"] == pytest.approx(percentile(itls, 99), abs=1e-3)
+    assert gold["e2e"]["p99"] <= 1000 * two["duration_s"] + 1e-3
+
+
+@pytest.mark.timeout(60)
+def test_an_open_loop_from_two_clients_sends_every_arrival_once(fake_server) -> None:
+    st, ca = fake_server
+    cfg = BenchConfig(port=st.port, ca_file=ca, rates=[200.0], requests=10, prompt_tokens=4, output_tokens=3,
+                      tier_mix={"gold": 1}, streams_per_connection=4, clients=2)
+    [phase] = asyncio.run(asyncio.wait_for(run_bench(cfg), 40))["phases"]
+    assert phase["all"]["sent"] == phase["all"]["completed"] == 10 and len(phase["client_cpu_pct"]) == 2
+
+
+@pytest.mark.timeout(60)
 def test_bench_serve_command_writes_table_json_and_png(fake_server, tmp_path: Path, capsys) -> None:
     from edged.cli import _add_client_flags
 
@@ -244,14 +339,17 @@ def test_bench_serve_command_writes_table_json_and_png(fake_server, tmp_path: Pa
     _add_client_flags(parser)
     add_arguments(parser)
     args = parser.parse_args(["--port", str(st.port), "--ca-file", ca, "--concurrency", "2,4", "--requests", "8",
+                              "--clients", "2",
                               "--tier-mix", "gold=1,bronze=1", "--targets", "gold=250", "--output-tokens", "4",
                               "--json", str(tmp_path / "b.json"), "--plot", str(tmp_path / "b.png")])
     args.bench = "serve"
     assert run_serve_bench(args) == 0
     out = capsys.readouterr().out
     assert "concurrency 2" in out and "concurrency 4" in out
+    assert "handshake p50 ms" in out
     report = json.loads((tmp_path / "b.json").read_text())
-    assert report["config"]["targets_ms"]["gold"] == 250
+    assert report["config"]["targets_ms"]["gold"] == 250 and report["config"]["clients"] == 2
+    assert all(p["handshake"]["n"] >= 2 for p in report["phases"])
     assert [p["tiers"]["gold"]["completed"] for p in report["phases"]] == [4, 4]
     assert (tmp_path / "b.png").read_bytes()[:4] == b"\x89PNG"
 
@@ -262,10 +360,16 @@ def test_edged_bench_serve_cli_runs_and_an_unreachable_daemon_exits_1(fake_serve
 
     st, ca = fake_server
     assert main(["bench", "serve", "--port", str(st.port), "--ca-file", ca, "--rate", "50", "--requests", "6",
-                 "--tier-mix", "gold=1,bronze=1", "--output-tokens", "3"]) == 0
+                 "--tier-mix", "gold=1,bronze=1", "--output-tokens", "3", "--clients", "1"]) == 0
     assert "rate 50 req/s" in capsys.readouterr().out
     assert main(["bench", "serve", "--port", str(free_udp_port()), "--insecure", "--requests", "1"]) == 1
     assert "could not reach edged" in capsys.readouterr().err
+    # from a client process, the same message
+    assert main(["bench", "serve", "--port", str(free_udp_port()), "--insecure", "--requests", "2",
+                 "--concurrency", "2", "--clients", "2"]) == 1
+    assert "could not reach edged" in capsys.readouterr().err
+    assert main(["bench", "serve", "--clients", "0"]) == 1
+    assert "--clients" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------ acceptance: the real daemon

@@ -1,4 +1,4 @@
-"""`edged bench decode | kernels | serve | accuracy`: each kind lives in its own module, imported only when run."""
+"""`edged bench decode | kernels | serve | transport | accuracy`: each kind in its own module, imported when run."""
 from __future__ import annotations
 
 import argparse
@@ -10,6 +10,10 @@ def run_bench_command(args: argparse.Namespace) -> int:
         from edged.bench.serve import run_serve_bench
 
         return run_serve_bench(args)
+    if args.bench == "transport":
+        from edged.bench.transport import run_transport_bench
+
+        return run_transport_bench(args)
     if args.bench == "decode":
         from edged.bench.decode import run_decode_bench
 

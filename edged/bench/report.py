@@ -2,7 +2,9 @@
 
 Definitions (all times in seconds inside, milliseconds in the table and JSON):
 - admitted: the response began with HTTP 200. Rejections are counted by status (429, 503, other).
-- TTFT: request sent -> first chunk that carries generated text.
+- TTFT: request sent on an established connection -> first chunk that carries generated text.
+- handshake: QUIC connect -> connection established, per connection opened for the phase (warm-up
+  included); reported for the phase as a whole, since one connection carries every tier.
 - TPOT: (end-to-end - TTFT) / (output tokens - 1), per request with at least two output tokens.
 - ITL: the gaps between consecutive text-bearing chunks, pooled over a tier's requests.
 - end-to-end: request sent -> last byte of the response.
@@ -10,6 +12,10 @@ Definitions (all times in seconds inside, milliseconds in the table and JSON):
   that never produced a token missed it).
 - goodput: requests per second that were admitted and met their TTFT target.
 - throughput: completed requests per second and output tokens per second over the phase's wall time.
+- token events: SSE data events that carry generated text (one token each when the server keeps up,
+  several when it batches them), summed over completed requests, per second of wall time.
+- client CPU: each client process's CPU time over the phase as % of one core; near 100 means the
+  load generator itself, not the server, set the pace (add --clients).
 """
 from __future__ import annotations
 
@@ -36,6 +42,7 @@ class RequestResult:
     e2e: float | None = None
     itls: list[float] = field(default_factory=list)
     output_tokens: int = 0
+    events: int = 0  # SSE data events that carried generated text
     prompt_tokens: int | None = None
     error: str | None = None  # transport failure, stream error event, or missing [DONE]
 
@@ -101,6 +108,8 @@ def summarize_tier(results: Sequence[RequestResult], duration_s: float, target_m
         "output_tokens": sum(r.output_tokens for r in completed),
         "request_throughput": len(completed) / dur,
         "output_token_throughput": sum(r.output_tokens for r in completed) / dur,
+        "token_events": sum(r.events for r in completed),
+        "token_event_throughput": sum(r.events for r in completed) / dur,
         "ttft_target_ms": target_ms,
     }
     samples = {
@@ -122,8 +131,10 @@ def summarize_tier(results: Sequence[RequestResult], duration_s: float, target_m
 
 
 def summarize_phase(results: Sequence[RequestResult], duration_s: float, targets_ms: dict[str, float],
-                    load: dict[str, Any], tier_order: Iterable[str] = ()) -> dict[str, Any]:
-    """One phase (one offered load): per-tier statistics plus "all" (SLA against each request's own tier)."""
+                    load: dict[str, Any], tier_order: Iterable[str] = (), handshakes: Sequence[float] = (),
+                    client_cpu_s: Sequence[float] = ()) -> dict[str, Any]:
+    """One phase (one offered load): per-tier statistics plus "all" (SLA against each request's own tier),
+    the QUIC handshakes of the phase's connections and each client process's CPU seconds."""
     order = list(dict.fromkeys([*tier_order, *sorted({r.tier for r in results})]))
     tiers = {t: summarize_tier([r for r in results if r.tier == t], duration_s, targets_ms.get(t))
              for t in order if any(r.tier == t for r in results)}
@@ -133,7 +144,10 @@ def summarize_phase(results: Sequence[RequestResult], duration_s: float, targets
     overall["sla_met"] = met
     overall["sla_attainment"] = met / len(admitted) if admitted else None
     overall["goodput"] = met / max(duration_s, 1e-9)
+    dur = max(duration_s, 1e-9)
     return {"load": load, "duration_s": duration_s, "tiers": tiers, ALL: overall,
+            "handshake": latency_summary(handshakes),
+            "client_cpu_pct": [round(100 * c / dur, 1) for c in client_cpu_s],
             "requests": [_request_record(r, results[0].start if results else 0.0) for r in results]}
 
 
@@ -170,14 +184,18 @@ def format_phase(phase: dict[str, Any]) -> str:
     """The human table for one phase: a summary per tier, then latency percentiles per tier."""
     groups = [*phase["tiers"].items(), (ALL, phase[ALL])]
     statuses = sorted({s for _, t in groups for s in t["rejected"]} | {"429", "503"})
-    head = ["tier", "sent", "ok", *statuses, "err", "req/s", "tok/s", "target ms", "SLA %", "goodput/s"]
+    head = ["tier", "sent", "ok", *statuses, "err", "req/s", "tok/s", "target ms", "SLA %", "goodput/s",
+            "handshake p50 ms", "handshake p99 ms"]
+    hs = phase.get("handshake") or {}
     rows = []
     for name, t in groups:
         att = t["sla_attainment"]
+        # A connection carries every tier, so handshakes belong to the phase: shown on the "all" row.
+        hs_cells = [_fmt(hs.get("p50"), 2), _fmt(hs.get("p99"), 2)] if name == ALL else ["", ""]
         rows.append([name, str(t["sent"]), str(t["completed"]), *(str(t["rejected"].get(s, 0)) for s in statuses),
                      str(t["errors"]), _fmt(t["request_throughput"], 2), _fmt(t["output_token_throughput"], 1),
                      _fmt(t["ttft_target_ms"], 0), "-" if att is None else f"{100 * att:.1f}",
-                     _fmt(t["goodput"], 2)])
+                     _fmt(t["goodput"], 2), *hs_cells])
     lat_head = ["tier", "ms", *(f"p{q}" for q in PERCENTILES), "mean", "n"]
     lat_rows = []
     for name, t in groups:
@@ -186,6 +204,9 @@ def format_phase(phase: dict[str, Any]) -> str:
             lat_rows.append([name if i == 0 else "", metric.upper(), *(_fmt(s[f"p{q}"]) for q in PERCENTILES),
                              _fmt(s["mean"]), str(s["n"])])
     title = f"== {load_label(phase['load'])}: {phase[ALL]['sent']} requests in {phase['duration_s']:.1f} s"
+    if phase.get("client_cpu_pct"):
+        cpu = phase["client_cpu_pct"]
+        title += f"; {len(cpu)} client process{'es' if len(cpu) > 1 else ''}, busiest at {max(cpu):.0f}% of a core"
     return "\n".join([title, _table(head, rows), "", _table(lat_head, lat_rows, left=2)])
 
 

@@ -10,6 +10,10 @@ runs one phase per value: a sweep of latency against load. Each request's tier i
 `x-edged-tier`; the tiers follow `--tier-mix` weights exactly (largest remainder), shuffled by
 `--seed`, as are the arrival times and the synthetic prompts.
 
+The load comes from `--clients` processes (clients.py), each with its own connections and an even
+share of every phase, so that one client core does not cap what the daemon shows. The QUIC
+handshake is timed apart from the requests: TTFT starts once a request has its connection.
+
 Requests are greedy (`temperature: 0`) with `ignore_eos: true`, so each yields exactly its
 `max_tokens`. Deterministic requests are what the daemon's result cache answers from disk, so
 every prompt starts with a short per-run nonce (leave it out with --allow-cache-hits).
@@ -23,16 +27,13 @@ import math
 import os
 import random
 import sys
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from edged.bench.report import RequestResult, format_phase, load_label, summarize_phase, write_json, write_plot
-
-STREAMS_PER_CONNECTION = 16
-MAX_CONNECTIONS = 64
-DEFAULT_TIMEOUT_S = 300.0
+from edged.bench.clients import default_clients, open_clients, split_phase
+from edged.bench.load import DEFAULT_TIMEOUT_S, STREAMS_PER_CONNECTION, ClientSettings, WorkItem
+from edged.bench.report import format_phase, load_label, summarize_phase, write_json, write_plot
 
 _WORDS = (
     "the quick brown fox jumps over a lazy dog while river stones glitter under morning light and "
@@ -44,13 +45,6 @@ _WORDS = (
     "history science language number question answer reason system network memory window door "
     "kitchen bread cheese soup coffee tea sugar salt pepper garlic onion tomato lemon honey butter"
 ).split()
-
-
-@dataclass(slots=True)
-class WorkItem:
-    prompt: str
-    max_tokens: int
-    tier: str
 
 
 @dataclass(slots=True)
@@ -72,6 +66,17 @@ class BenchConfig:
     model: str | None = None
     cache_bust: bool = True
     streams_per_connection: int = STREAMS_PER_CONNECTION
+    clients: int = 1  # client processes; 1: this process's event loop
+    requests_per_stream: int | None = None  # closed loop: requests = this x concurrency (else `requests`)
+
+    def client_settings(self) -> ClientSettings:
+        return ClientSettings(self.host, self.port, self.ca_file, self.insecure, self.model, self.timeout_s,
+                              self.streams_per_connection)
+
+    def phase_requests(self, load: dict[str, Any]) -> int:
+        if self.requests_per_stream and load.get("concurrency"):
+            return self.requests_per_stream * load["concurrency"]
+        return self.requests
 
 
 # ------------------------------------------------------------------------------------- arguments
@@ -139,12 +144,34 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dataset", help="JSONL, one {\"prompt\": ..., \"max_tokens\": ...} per line "
                                      "(optional \"tier\"); replaces the synthetic prompts")
     p.add_argument("--seed", type=int, default=0, help="seeds arrivals, tier order and prompts")
+    add_client_arguments(p)
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds per request")
     p.add_argument("--model", help="the \"model\" field to send (default: the daemon's only model)")
     p.add_argument("--allow-cache-hits", action="store_true",
                    help="send prompts verbatim (no per-run nonce): repeats may come from the result cache")
     p.add_argument("--json", help="write the report as JSON here")
     p.add_argument("--plot", help="write a PNG of latency against load here")
+
+
+def add_client_arguments(p: argparse.ArgumentParser, streams_per_connection: int = STREAMS_PER_CONNECTION) -> None:
+    """The flags of the load generator itself (shared by `bench serve` and `bench transport`)."""
+    p.add_argument("--clients", type=int, default=default_clients(),
+                   help="client processes that drive the load, each with its own connections and an even share "
+                        "of each phase; 1 runs it in this process (default: half the cores, 1 to 8: %(default)s)")
+    p.add_argument("--streams-per-connection", type=int, default=streams_per_connection,
+                   help="requests in flight per QUIC connection before a client opens another; more "
+                        "connections spread over more of the daemon's worker processes (default: %(default)s)")
+
+
+def clients_from_args(args: argparse.Namespace, cfg: BenchConfig) -> None:
+    """--clients and --streams-per-connection into cfg (ValueError with the flag and the reason)."""
+    clients, spc = getattr(args, "clients", None), getattr(args, "streams_per_connection", None)
+    cfg.clients = 1 if clients is None else int(clients)
+    cfg.streams_per_connection = STREAMS_PER_CONNECTION if spc is None else int(spc)
+    if not 1 <= cfg.clients <= 64:
+        raise ValueError(f"--clients: must be 1 to 64, got {cfg.clients}")
+    if cfg.streams_per_connection <= 0:
+        raise ValueError(f"--streams-per-connection: must be positive, got {cfg.streams_per_connection}")
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
@@ -174,6 +201,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     cfg.timeout_s = float(g("timeout", DEFAULT_TIMEOUT_S))
     cfg.model = g("model")
     cfg.cache_bust = not g("allow_cache_hits", False)
+    clients_from_args(args, cfg)
     return cfg
 
 
@@ -246,179 +274,57 @@ def build_workload(cfg: BenchConfig, rng: random.Random, n: int,
     return items
 
 
-def request_body(item: WorkItem, model: str | None) -> bytes:
-    body: dict[str, Any] = {"messages": [{"role": "user", "content": item.prompt}], "max_tokens": item.max_tokens,
-                            "temperature": 0, "ignore_eos": True, "stream": True,
-                            "stream_options": {"include_usage": True}}
-    if model:
-        body["model"] = model
-    return json.dumps(body).encode()
-
-
-# ------------------------------------------------------------------------------------ connections
-
-
-class ConnectionPool:
-    """QUIC connections opened as the load needs them: one more whenever every open one carries
-    `per_connection` requests in flight (up to `max_connections`)."""
-
-    def __init__(self, host: str, port: int, ca_file: str | None, insecure: bool,
-                 per_connection: int = STREAMS_PER_CONNECTION, max_connections: int = MAX_CONNECTIONS,
-                 idle_timeout_s: float = 120.0) -> None:
-        from edged.server.h3_client import H3Client
-
-        # A queued request may see no packets for a long while: keep the connection past its timeout.
-        self._make = lambda: H3Client(host, port, ca_file=ca_file, insecure=insecure, idle_timeout=idle_timeout_s)
-        self.per_connection = per_connection
-        self.max_connections = max_connections
-        self.inflight: dict[Any, int] = {}
-        self._lock = asyncio.Lock()
-
-    async def acquire(self) -> Any:
-        async with self._lock:
-            for c in [c for c in self.inflight if not c.connected]:
-                self.inflight.pop(c)
-            best = min(self.inflight, key=self.inflight.__getitem__, default=None)
-            if best is None or (self.inflight[best] >= self.per_connection
-                                and len(self.inflight) < self.max_connections):
-                best = self._make()
-                await best.connect()
-                self.inflight[best] = 0
-            self.inflight[best] += 1
-            return best
-
-    def release(self, c: Any) -> None:
-        if c in self.inflight:
-            self.inflight[c] -= 1
-
-    async def warm(self, n: int) -> None:
-        """Open enough connections for n requests in flight before timing starts."""
-        want = min(self.max_connections, max(1, math.ceil(n / self.per_connection)))
-        while len(self.inflight) < want:
-            c = self._make()
-            await c.connect()
-            self.inflight[c] = 0
-
-    async def close(self) -> None:
-        await asyncio.gather(*(c.close() for c in self.inflight), return_exceptions=True)
-        self.inflight.clear()
-
-
-# --------------------------------------------------------------------------------------- requests
-
-
-async def run_request(pool: ConnectionPool, item: WorkItem, model: str | None, timeout_s: float) -> RequestResult:
-    """Send one streaming chat completion and time it."""
-    from edged.server.h3_client import H3ClientError, error_message, iter_sse
-
-    body = request_body(item, model)
-    headers = {"content-type": "application/json", "accept": "text/event-stream", "x-edged-tier": item.tier}
-    try:
-        client = await pool.acquire()
-    except (H3ClientError, OSError) as e:
-        return RequestResult(item.tier, time.perf_counter(), error=f"connect: {e}")
-    res = RequestResult(item.tier, time.perf_counter())
-    chunks, usage_tokens, done, last = 0, None, False, 0.0
-    try:
-        async with asyncio.timeout(timeout_s):
-            rs = await client.stream("POST", "/v1/chat/completions", headers, body, timeout=None)
-            res.status = rs.status
-            async with rs:
-                if rs.status != 200:
-                    res.error = f"HTTP {rs.status}: {error_message(rs.status, await rs.read())}"
-                    return res
-                async for data in iter_sse(rs):
-                    now = time.perf_counter()
-                    if data == "[DONE]":
-                        done = True
-                        break
-                    obj = json.loads(data)
-                    if obj.get("error"):
-                        res.error = (obj["error"] or {}).get("message") or "error event"
-                        break
-                    if obj.get("usage"):
-                        usage_tokens = obj["usage"].get("completion_tokens")
-                        res.prompt_tokens = obj["usage"].get("prompt_tokens")
-                    if any((c.get("delta") or {}).get("content") or c.get("text") for c in obj.get("choices") or []):
-                        chunks += 1
-                        if res.ttft is None:
-                            res.ttft = now - res.start
-                        else:
-                            res.itls.append(now - last)
-                        last = now
-                if done:
-                    res.e2e = time.perf_counter() - res.start
-                elif res.error is None:
-                    res.error = "the stream ended without [DONE]"
-    except TimeoutError:
-        res.error = f"no complete response within {timeout_s:g}s"
-    except (H3ClientError, ValueError) as e:  # ValueError: a malformed SSE payload
-        res.error = str(e) or type(e).__name__
-    finally:
-        pool.release(client)
-    res.output_tokens = usage_tokens if usage_tokens is not None else chunks
-    return res
-
-
-async def run_phase(pool: ConnectionPool, items: list[WorkItem], *, rate: float | None = None,
-                    concurrency: int | None = None, rng: random.Random | None = None, model: str | None = None,
-                    timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[list[RequestResult], float]:
-    """Send items at a Poisson `rate` (open loop) or from `concurrency` workers; (results, wall seconds)."""
-    rng = rng or random.Random(0)
-    t0 = time.perf_counter()
-    if rate is not None:
-        tasks = []
-        next_at = t0
-        for i, item in enumerate(items):
-            if i:
-                next_at += rng.expovariate(rate)
-                await asyncio.sleep(max(0.0, next_at - time.perf_counter()))
-            tasks.append(asyncio.create_task(run_request(pool, item, model, timeout_s)))
-        results = list(await asyncio.gather(*tasks))
-    else:
-        queue = list(reversed(items))
-        results = []
-
-        async def worker() -> None:
-            while queue:
-                results.append(await run_request(pool, queue.pop(), model, timeout_s))
-
-        await asyncio.gather(*(worker() for _ in range(max(1, concurrency or 1))))
-    return results, time.perf_counter() - t0
+def arrival_offsets(rng: random.Random, rate: float, n: int) -> list[float]:
+    """Send times of a Poisson process at `rate`, seconds after the phase start (the first at 0)."""
+    out, at = [], 0.0
+    for i in range(n):
+        if i:
+            at += rng.expovariate(rate)
+        out.append(at)
+    return out
 
 
 async def run_bench(cfg: BenchConfig, progress: Callable[[str], None] | None = None,
-                    on_phase: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+                    on_phase: Callable[[dict[str, Any]], None] | None = None,
+                    before_phase: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Every phase of the benchmark; the report (see report.py) with one entry per phase.
-    `progress` hears when a phase starts, `on_phase` gets each phase's summary as it ends."""
+    `progress` hears when a phase starts, `before_phase` is called once the phase's connections are
+    open, just before its requests go out, and `on_phase` gets each phase's summary as it ends."""
     rng = random.Random(cfg.seed)
     dataset = load_dataset(cfg.dataset) if cfg.dataset else None
-    pool = ConnectionPool(cfg.host, cfg.port, cfg.ca_file, cfg.insecure, cfg.streams_per_connection,
-                          idle_timeout_s=max(120.0, cfg.timeout_s + 30))
     loads: Iterable[dict[str, Any]] = ([{"rate": r, "concurrency": None} for r in cfg.rates] if cfg.rates else
                                        [{"rate": None, "concurrency": c} for c in cfg.concurrencies])
+    clients = open_clients(cfg.client_settings(), cfg.clients)
     phases = []
     try:
         for load in loads:
-            items = build_workload(cfg, rng, cfg.requests, dataset)
-            await pool.warm(load["concurrency"] or min(cfg.requests, cfg.streams_per_connection))
+            items = build_workload(cfg, rng, cfg.phase_requests(load), dataset)
+            offsets = arrival_offsets(rng, load["rate"], len(items)) if load["rate"] is not None else None
+            shares = split_phase(items, cfg.clients, concurrency=load["concurrency"], offsets=offsets,
+                                 streams_per_connection=cfg.streams_per_connection)
+            await clients.prepare(shares)
             if progress:
-                progress(f"bench serve: {load_label(load)}, {len(items)} requests ...")
-            results, wall = await run_phase(pool, items, rate=load["rate"], concurrency=load["concurrency"],
-                                            rng=rng, model=cfg.model, timeout_s=cfg.timeout_s)
-            phases.append(summarize_phase(results, wall, cfg.targets_ms, load, tier_order=cfg.tier_mix))
+                progress(f"{load_label(load)}, {len(items)} requests from {len(shares)} "
+                         f"client{'s' if len(shares) > 1 else ''}")
+            if before_phase:
+                before_phase(load)
+            run = await clients.run()
+            phases.append(summarize_phase(run.results, run.duration_s, cfg.targets_ms, load, tier_order=cfg.tier_mix,
+                                          handshakes=run.handshakes, client_cpu_s=run.client_cpu_s))
             if on_phase:
                 on_phase(phases[-1])
     finally:
-        await pool.close()
+        await clients.close()
     return {"config": _config_record(cfg), "phases": phases}
 
 
 def _config_record(cfg: BenchConfig) -> dict[str, Any]:
     return {"host": cfg.host, "port": cfg.port, "rates": cfg.rates, "concurrencies": None if cfg.rates else
-            cfg.concurrencies, "requests_per_phase": cfg.requests, "tier_mix": cfg.tier_mix,
+            cfg.concurrencies, "requests_per_phase": cfg.requests if not cfg.requests_per_stream else None,
+            "requests_per_stream": cfg.requests_per_stream, "tier_mix": cfg.tier_mix,
             "targets_ms": cfg.targets_ms, "prompt_tokens": None if cfg.dataset else cfg.prompt_tokens,
-            "output_tokens": None if cfg.dataset else cfg.output_tokens, "dataset": cfg.dataset, "seed": cfg.seed}
+            "output_tokens": None if cfg.dataset else cfg.output_tokens, "dataset": cfg.dataset, "seed": cfg.seed,
+            "clients": cfg.clients, "streams_per_connection": cfg.streams_per_connection}
 
 
 def run_serve_bench(args: argparse.Namespace) -> int:
@@ -434,7 +340,8 @@ def run_serve_bench(args: argparse.Namespace) -> int:
         print(f"edged bench serve: {e}", file=sys.stderr)
         return 1
     try:
-        report = asyncio.run(run_bench(cfg, progress=lambda m: print(m, file=sys.stderr, flush=True),
+        report = asyncio.run(run_bench(cfg, progress=lambda m: print(f"bench serve: {m} ...", file=sys.stderr,
+                                                                     flush=True),
                                        on_phase=lambda p: print(format_phase(p) + "\n", flush=True)))
     except ConnectError as e:
         print(f"edged bench serve: could not reach edged at {cfg.host}:{cfg.port} over HTTP/3: {e}",
