@@ -1,73 +1,108 @@
-"""Wiring: config -> model -> engine thread -> HTTP/3 server; signals, live reload, systemd notify."""
+"""The supervisor: starts the engine core and the front-end workers, and is what systemd sees.
+
+    supervisor (this process: signals, live reload, sd_notify, restarts)
+      |-- engine core  (edged/engine/core.py: the device, the batcher, the step loop)
+      |-- worker w0 .. wN-1  (edged/server/worker.py: HTTP/3 on a shared UDP port, tokenization, streaming)
+
+The supervisor binds the UDP sockets itself, one per worker, all in one SO_REUSEPORT group, and
+keeps them: a worker that dies is restarted on the same socket, so the kernel's assignment of
+every other connection to its worker never changes. Each child has a control pipe to the
+supervisor (config, drain, stop; ready, heartbeats); core and workers talk over ZeroMQ
+(edged/engine/ipc.py).
+
+READY goes to systemd once the core and every worker are up; WATCHDOG pings only while all of them
+send heartbeats (the core only while its engine loop makes progress). A worker that dies is
+restarted and only its connections are lost; if the core dies the daemon stops its workers and
+exits non-zero, so that systemd restarts it (Restart=on-failure).
+"""
 from __future__ import annotations
 
 import argparse
 import asyncio
 import logging
+import multiprocessing as mp
 import os
+import shutil
 import signal
+import socket
 import sys
+import tempfile
 import time
-from pathlib import Path
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any
 
-from edged.config import Config, ConfigError, apply_overrides, is_loopback, load_config, reload_config, warnings
-from edged.engine.async_engine import AsyncEngine
-from edged.engine.request import GenerationRequest, SamplingParams
-from edged.engine.setup import EngineSettings, build_engine
+from edged.config import Config, ConfigError, apply_overrides, auto_workers, load_config, reload_config, warnings
 from edged.log import fields, setup_logging
-from edged.metrics import EdgedMetrics
 from edged.systemd import Notifier, Watchdog
 
 log = logging.getLogger("edged.daemon")
 
-ENGINE_STALL_S = 20.0  # no engine-loop iteration for this long: withhold watchdog pings
 CONFIG_POLL_S = 2.0  # how often the config file's mtime is checked for edits
+STALL_S = 20.0  # a child without a heartbeat for this long: withhold watchdog pings
+RESTART_BACKOFF_S = (0.0, 0.5, 1.0, 2.0, 5.0)  # between restarts of a worker that keeps dying
+CORE_STOP_S = 15.0
 
 
-def server_settings(config: Config):
-    from edged.server.h3_server import ApiKeyPolicy, ServerSettings
+@dataclass
+class Child:
+    """One child process and its control pipe, as the supervisor sees it."""
 
-    keys = None
-    if config.auth.enabled:
-        keys = {k.sha256: ApiKeyPolicy(k.name, k.tier, k.rate_limit_rps, k.burst) for k in config.auth.keys}
-    return ServerSettings(
-        max_body_bytes=config.server.max_body_bytes,
-        default_max_tokens=config.limits.max_tokens_default,
-        max_tokens_limit=config.limits.max_tokens_limit,
-        max_prompt_tokens=config.limits.max_prompt_tokens,
-        tiers=tuple(config.tiers),
-        default_tier=config.scheduler.default_tier,
-        tier_max_tokens={n: t.max_tokens for n, t in config.tiers.items() if t.max_tokens},
-        api_keys=keys,
-        request_timeout_s=config.server.request_timeout_s,
-        max_concurrent_streams=config.server.max_concurrent_streams,
-        access_log=config.logging.access_log,
-        allow_special_tokens_in_prompt=config.limits.allow_special_tokens_in_prompt,
-    )
+    name: str
+    process: Any  # multiprocessing.Process
+    conn: Connection
+    ready: asyncio.Future
+    last_beat: float = field(default_factory=time.monotonic)
+    restarts: int = 0
+
+    def send(self, *message: Any) -> None:
+        try:
+            self.conn.send(message)
+        except (OSError, ValueError) as e:  # it is exiting; the sentinel will say so
+            log.debug("control send failed %s", fields(process=self.name, error=repr(e)))
 
 
-def gpu_memory() -> dict[str, int]:
-    import torch
-
-    if not torch.cuda.is_available():
-        return {}
-    return {"allocated": torch.cuda.memory_allocated(), "reserved": torch.cuda.memory_reserved()}
+def bind_udp(host: str, port: int, count: int) -> list[socket.socket]:
+    """`count` UDP sockets on one address in one SO_REUSEPORT group (port 0: the first one picks it)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(count):
+            s = socket.socket(family, socket.SOCK_DGRAM)
+            socks.append(s)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            if family == socket.AF_INET6:
+                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+            s.bind((host, port))
+            port = s.getsockname()[1]
+            s.setblocking(False)
+    except OSError as e:
+        for s in socks:
+            s.close()
+        raise OSError(f"cannot listen on udp {host}:{port}: {e.strerror or e}") from None
+    return socks
 
 
 class Daemon:
-    def __init__(self, config: Config, config_path: str | None, overrides: dict[str, str | None]) -> None:
+    def __init__(self, config: Config, config_path: str | None, overrides: dict[str, str | None],
+                 run_dir: str) -> None:
+        from edged.metrics import EdgedMetrics
+
         self.config = config
         self.config_path = config_path
         self.overrides = overrides
+        self.run_dir = run_dir
         self.notifier = Notifier()
-        self.engine: AsyncEngine | None = None
-        self.server = None
-        self.result_cache = None
         self.metrics = EdgedMetrics()
-        self.topology_cap: int | None = None
-        self.pinned_cpus: list[int] = []
-        self.transfer_budget: int | None = None
+        self.ctx = mp.get_context("spawn")
+        self.core: Child | None = None
+        self.workers: dict[str, Child] = {}
+        self.sockets: dict[str, socket.socket] = {}
+        self.info: Any = None  # the core's ModelInfo
+        self.certfile = self.keyfile = ""
+        self.exit_code = 0
         self._stop = asyncio.Event()
+        self._stopping = False
         self._reload_lock = asyncio.Lock()
         self._config_seen = self._fingerprint()
 
@@ -79,118 +114,188 @@ class Daemon:
             return None
         return None if st is None else (st.st_mtime_ns, st.st_size, st.st_ino)
 
-    def _pin_engine_thread(self) -> None:
-        if self.pinned_cpus:
-            from edged.scheduler.topology import pin_engine_thread
-            pin_engine_thread(self.pinned_cpus)
+    def children(self) -> list[Child]:
+        return ([self.core] if self.core else []) + list(self.workers.values())
 
-    def engine_alive(self) -> bool:
-        e = self.engine
-        return e is not None and e.engine.is_alive() and \
-            time.monotonic() - e.engine.counters.last_progress < ENGINE_STALL_S
+    def all_alive(self) -> bool:
+        """Every child sent a heartbeat lately (the core only sends them while its engine progresses)."""
+        now = time.monotonic()
+        return all(c.process.is_alive() and now - c.last_beat < STALL_S for c in self.children())
 
-    async def warm_up(self, engine: AsyncEngine) -> None:
-        """One real step through every layer before READY, so the first client does not pay for it."""
-        ids = engine.encode("Hello")
-        request = GenerationRequest("warmup", ids, SamplingParams(temperature=0.0, max_tokens=2))
-        async for _ in engine.generate(request):
+    # ---- children
+
+    def _start_child(self, name: str, target: Any, args: tuple) -> Child:
+        loop = asyncio.get_running_loop()
+        parent, child_end = self.ctx.Pipe(duplex=True)
+        proc = self.ctx.Process(target=target, args=(*args, child_end), name=f"edged-{name}", daemon=False)
+        proc.start()
+        child_end.close()
+        ready = loop.create_future()
+        ready.add_done_callback(lambda f: f.cancelled() or f.exception())  # a start failure is logged, not "never retrieved"
+        child = Child(name, proc, parent, ready)
+        loop.add_reader(parent.fileno(), self._on_message, child)
+        loop.add_reader(proc.sentinel, self._on_exit, child)
+        return child
+
+    def _on_message(self, child: Child) -> None:
+        try:
+            kind, *args = child.conn.recv()
+        except (EOFError, OSError):
+            asyncio.get_running_loop().remove_reader(child.conn.fileno())
+            return
+        if kind == "beat":
+            child.last_beat = time.monotonic()
+        elif kind == "ready" and not child.ready.done():
+            child.last_beat = time.monotonic()
+            child.ready.set_result(args[0] if args else None)
+        elif kind == "failed" and not child.ready.done():
+            child.ready.set_exception(RuntimeError(args[0]))
+
+    def _forget(self, child: Child) -> None:
+        loop = asyncio.get_running_loop()
+        loop.remove_reader(child.process.sentinel)
+        try:
+            loop.remove_reader(child.conn.fileno())
+        except (OSError, ValueError):
             pass
+        child.conn.close()
+
+    def _on_exit(self, child: Child) -> None:
+        from edged.metrics import mark_process_dead
+
+        self._forget(child)
+        child.process.join(0)
+        code = child.process.exitcode
+        mark_process_dead(child.process.pid)
+        if not child.ready.done():
+            child.ready.set_exception(RuntimeError(f"{child.name} exited with status {code} while starting"))
+        if self._stopping:
+            return
+        if child is self.core:
+            log.error("engine core exited, stopping the daemon %s", fields(exitcode=code, pid=child.process.pid))
+            self.exit_code = 1
+            self._stop.set()
+            return
+        log.error("worker exited, restarting it %s", fields(worker=child.name, exitcode=code, pid=child.process.pid))
+        self.metrics.worker_restarts.inc()
+        if self.core is not None:
+            self.core.send("worker_gone", child.name)  # its sequences end, their KV blocks free
+        asyncio.ensure_future(self._restart_worker(child))
+
+    async def _restart_worker(self, old: Child) -> None:
+        await asyncio.sleep(RESTART_BACKOFF_S[min(old.restarts, len(RESTART_BACKOFF_S) - 1)])
+        if self._stopping:
+            return
+        child = self._start_worker(old.name)
+        child.restarts = old.restarts + 1
+        try:
+            await asyncio.wait_for(asyncio.shield(child.ready), 120)
+            log.info("worker restarted %s", fields(worker=child.name, pid=child.process.pid))
+        except Exception as e:
+            log.error("worker restart failed %s", fields(worker=child.name, error=repr(e)))
+
+    def _start_worker(self, name: str) -> Child:
+        from edged.server.worker import run_worker
+
+        child = self._start_child(name, run_worker, (name, self.config, self.info, self.run_dir, self.sockets[name],
+                                                     self.certfile, self.keyfile))
+        self.workers[name] = child
+        return child
+
+    # ---- run
 
     async def run(self) -> int:
-        from edged.models.loader import load_model, with_overrides
-        from edged.server.h3_server import serve
+        from edged.engine.core import run_engine_core
+        from edged.processes import register_process
         from edged.server.tls import ensure_cert
 
         cfg = self.config
         for w in warnings(cfg):
             log.warning("%s", w)
-        self.notifier.status("loading model")
         start = time.monotonic()
-        loaded = await asyncio.to_thread(load_model, cfg.model.path)
-        loaded = with_overrides(loaded, cfg.model.served_name, cfg.model.tokenizer, cfg.model.chat_template)
-        settings = EngineSettings.from_config(cfg.model, cfg.cache.prefix_cache, cfg.cache.host_spill_bytes,
-                                              cfg.scheduler.transfer_budget_bytes)
-        self.engine = engine = await asyncio.to_thread(build_engine, loaded, settings)
-        self._topology(cfg)
-        self._scheduler_config(cfg)
-        engine.start(self._pin_engine_thread)
-        self.notifier.status("warming up")
-        await self.warm_up(engine)
-        Path(cfg.server.state_dir).mkdir(parents=True, exist_ok=True)
-        certfile, keyfile = ensure_cert(cfg.server.state_dir, cfg.server.certfile, cfg.server.keyfile)
-        await self._open_result_cache(engine.model_id)
-        self.server = await serve(engine, cfg.server.host, cfg.server.port, certfile, keyfile, server_settings(cfg))
-        self._mount(self.server.router)
+        register_process(self.run_dir, "supervisor")
+        names = [f"w{i}" for i in range(auto_workers(cfg.server.workers))]
+        self.sockets = dict(zip(names, bind_udp(cfg.server.host, cfg.server.port, len(names))))
+        os.makedirs(cfg.server.state_dir, exist_ok=True)
+        self.certfile, self.keyfile = ensure_cert(cfg.server.state_dir, cfg.server.certfile, cfg.server.keyfile)
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, self._stop.set)
         loop.add_signal_handler(signal.SIGINT, self._stop.set)
+        try:
+            self.notifier.status("loading model")
+            self.core = self._start_child("core", run_engine_core, (cfg, self.run_dir, names))
+            self.info = await self._until_ready([self.core])
+            self.notifier.status(f"starting {len(names)} workers")
+            for name in names:
+                self._start_worker(name)
+            await self._until_ready(list(self.workers.values()))
+        except _Stopped:
+            return await self._shutdown(code=1 if self.exit_code else 0)
+        except RuntimeError as e:
+            log.error("cannot start: %s", e)
+            return await self._shutdown(code=1)
         loop.add_signal_handler(signal.SIGHUP, lambda: asyncio.ensure_future(self._reload_once("SIGHUP")))
-        tasks = [asyncio.create_task(Watchdog(self.notifier, self.engine_alive).run()),
+        tasks = [asyncio.create_task(Watchdog(self.notifier, self.all_alive).run()),
                  asyncio.create_task(self._watch_config())]
-        status = f"serving {engine.model_id} on {cfg.server.listen} (h3)"
-        self.notifier.ready(status)
-        log.info("ready %s", fields(model=engine.model_id, listen=cfg.server.listen,
-                                    startup_s=round(time.monotonic() - start, 1), pid=os.getpid()))
+        port = self.sockets[names[0]].getsockname()[1]
+        self.notifier.ready(self._status())
+        log.info("ready %s", fields(model=self.info.model_id, listen=cfg.server.listen, port=port, workers=len(names),
+                                    device=self.info.device, startup_s=round(time.monotonic() - start, 1),
+                                    pid=os.getpid()))
         await self._stop.wait()
-        self.notifier.stopping()
-        log.info("stopping %s", fields(drain_timeout_s=cfg.server.drain_timeout_s))
-        await self.server.shutdown(self.config.server.drain_timeout_s)
         for t in tasks:
             t.cancel()
-        engine.engine.stop()
-        if self.result_cache is not None:
-            await asyncio.to_thread(self.result_cache.close)  # flushes queued writes
+        return await self._shutdown(code=self.exit_code)
+
+    async def _until_ready(self, children: list[Child]) -> Any:
+        """The first child's ready payload once all are ready; _Stopped on SIGTERM or a child's death."""
+        stop = asyncio.ensure_future(self._stop.wait())
+        try:
+            pending = {asyncio.ensure_future(asyncio.shield(c.ready)) for c in children}
+            while pending:
+                done, pending = await asyncio.wait(pending | {stop}, return_when=asyncio.FIRST_COMPLETED)
+                if stop in done:
+                    raise _Stopped
+                pending.discard(stop)
+                for d in done:
+                    d.result()  # raises if the child failed
+            return children[0].ready.result()
+        finally:
+            stop.cancel()
+
+    def _status(self) -> str:
+        return (f"serving {self.info.model_id if self.info else '?'} on {self.config.server.listen} (h3), "
+                f"{len(self.workers)} workers")
+
+    async def _shutdown(self, code: int) -> int:
+        """Workers drain (in-flight streams finish up to drain_timeout_s), then the core stops."""
+        self._stopping = True
+        self.notifier.stopping()
+        timeout = self.config.server.drain_timeout_s
+        log.info("stopping %s", fields(drain_timeout_s=timeout, workers=len(self.workers), exit_code=code))
+        workers = [c for c in self.workers.values() if c.process.is_alive()]
+        for c in workers:
+            c.send("drain")
+        await self._join(workers, timeout + 10.0)
+        if self.core is not None and self.core.process.is_alive():
+            self.core.send("stop")
+            await self._join([self.core], CORE_STOP_S)
+        for s in self.sockets.values():
+            s.close()
         log.info("stopped")
-        return 0
+        return code
 
-    async def _open_result_cache(self, model_id: str) -> None:
-        from edged.cache.result_cache import ResultCache, db_path
-        from edged.cache.result_front import ResultCacheFront
+    async def _join(self, children: list[Child], timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for c in children:
+            while c.process.is_alive() and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            if c.process.is_alive():
+                log.warning("child did not stop in time, killing it %s", fields(process=c.name))
+                c.process.kill()
+            c.process.join(1.0)
 
-        c = self.config.cache
-        self.result_cache = await asyncio.to_thread(ResultCache.open, db_path(self.config.server.state_dir),
-                                                    c.max_bytes, c.ttl_s, c.enabled)
-        self.cache_front = ResultCacheFront(self.result_cache, model_id)
-
-    def _mount(self, router) -> None:
-        """Health, metrics and the result cache on the server's router."""
-        router.health_check = self.engine_alive
-        router.admission = self.engine.engine.batcher.admission()
-        router.result_cache = self.cache_front
-        router.observers.append(self._observe)
-        router.add("GET", "/metrics", self._metrics_route, public=True)
-        router.add("GET", "/readyz", self._readyz_route, public=True)
-        src = self.metrics.sources
-        src.engine = lambda: self.engine.engine if self.engine else None
-        src.result_cache = lambda: self.result_cache
-        src.gpu_memory = gpu_memory
-        src.config = lambda: self.config
-        src.tier_snapshot = self.engine.engine.batcher.snapshot
-
-    def _observe(self, rec) -> None:
-        m, tier = self.metrics, rec.tier or "none"
-        m.requests.labels(tier, rec.outcome).inc()
-        if rec.ttft_s is not None:
-            m.ttft.labels(tier).observe(rec.ttft_s)
-            if rec.completion_tokens > 1:
-                m.itl.labels(tier).observe((rec.duration_s - rec.ttft_s) / (rec.completion_tokens - 1))
-        if rec.status is not None and rec.status < 400:
-            m.e2e.labels(tier).observe(rec.duration_s)
-
-    async def _metrics_route(self, req) -> None:
-        from edged.server.auth import lookup
-        from edged.server.openai_wire import WireError
-
-        auth = self.config.auth
-        if auth.metrics_requires_key or (auth.metrics_loopback_only and not is_loopback(req.peer_host)):
-            if lookup(req.header("authorization"), {k.sha256: k for k in auth.keys}) is None:
-                raise WireError(401 if auth.metrics_requires_key else 403,
-                                "/metrics is served to loopback clients or with an API key.", code="forbidden")
-        req.respond(200, self.metrics.render(), "text/plain; version=0.0.4; charset=utf-8")
-
-    async def _readyz_route(self, req) -> None:
-        ready = self.engine_alive() and not self.server.router.draining
-        req.respond_json(200 if ready else 503, {"status": "ready" if ready else "not ready"})
+    # ---- live reload
 
     async def _watch_config(self) -> None:
         while True:
@@ -206,11 +311,11 @@ class Daemon:
             await self.reload(reason)
 
     async def reload(self, reason: str) -> None:
-        """Re-read the config; apply what may change live; keep the old config if the new one is invalid."""
+        """Re-read the config; an invalid file changes nothing anywhere; a valid one goes to every process."""
         self.notifier.reloading()
         log.info("reloading config %s", fields(reason=reason, path=self.config_path))
         try:
-            # Off the loop: reading and parsing a file (at most 1 MiB) must not stall requests.
+            # Off the loop: reading and parsing a file (at most 1 MiB) must not stall the supervisor.
             new, diff = await asyncio.to_thread(reload_config, self.config, self.config_path, self.overrides)
         except ConfigError as e:
             self.metrics.reloads.labels("rejected").inc()
@@ -223,49 +328,20 @@ class Daemon:
         self.config = new
         self.metrics.reloads.labels("applied").inc()
         setup_logging(new.logging.level)
-        if self.result_cache is not None:
-            c = new.cache
-            await asyncio.to_thread(self.result_cache.reconfigure, c.max_bytes, c.ttl_s, c.enabled)
-        if self.server is not None:
-            self.server.settings = server_settings(new)
-        if self.engine is not None:
-            self.engine.engine.call(lambda: self._scheduler_config(new))
-        self.notifier.ready(f"serving {self.engine.model_id if self.engine else '?'} on {new.server.listen} (h3)")
+        for child in self.children():
+            child.send("config", new)
+        self.notifier.ready(self._status())
 
-    def batch_limits(self, config: Config):
-        """The engine's per-step limits: the batch cap never exceeds what the PCIe topology allows
-        unless the config overrides it, nor model.max_num_seqs (the CUDA graphs' largest batch)."""
-        from edged.scheduler.batcher import BatchLimits
 
-        cap = config.scheduler.batch_cap or self.topology_cap or config.model.max_num_seqs
-        return BatchLimits(min(cap, config.model.max_num_seqs),
-                           config.scheduler.step_token_budget or config.model.max_batch_tokens)
+class _Stopped(Exception):
+    """SIGTERM (or a dead core) while starting."""
 
-    def _scheduler_config(self, config: Config) -> None:
-        """Tiers, default tier, limits and preemption into the batcher (engine thread or before start)."""
-        self.engine.engine.batcher.reconfigure(config.tiers, config.scheduler.default_tier,
-                                               self.batch_limits(config), preemption=config.scheduler.preemption)
-        self.engine.engine.blocks.transfer_budget_bytes = config.scheduler.transfer_budget_bytes or self.transfer_budget
 
-    def _topology(self, config: Config) -> None:
-        """On a GPU node: batch cap and per-step PCIe budget from the topology; the engine thread
-        pinned to the GPU's local CPUs."""
-        import torch
-
-        self.topology_cap = None
-        self.pinned_cpus: list[int] = []
-        if self.engine is None or self.engine.engine.runner.device.type != "cuda":
-            return
-        from edged.scheduler.topology import plan
-
-        topo, limits = plan(device_index=torch.cuda.current_device(), batch_cap_override=config.scheduler.batch_cap)
-        self.topology_cap = limits.batch_cap
-        self.transfer_budget = limits.step_transfer_budget_bytes
-        if config.scheduler.pin_threads:
-            self.pinned_cpus = limits.pinned_cpus
-        log.info("topology %s", fields(bus=topo.bus_id, hops=topo.hops, gen=topo.link_gen, width=topo.link_width,
-                                       batch_cap=limits.batch_cap, step_budget_mb=limits.step_transfer_budget_bytes >> 20,
-                                       cpus=len(self.pinned_cpus)))
+def make_run_dir() -> str:
+    """A private directory for the core's sockets, the metrics files and the process table:
+    under $RUNTIME_DIRECTORY (systemd's RuntimeDirectory=edged) when set, else the temp dir."""
+    base = os.environ.get("RUNTIME_DIRECTORY", "").split(":")[0] or None
+    return tempfile.mkdtemp(prefix="edged-", dir=base)
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, str | None]:
@@ -286,16 +362,19 @@ def run_serve_command(args: argparse.Namespace) -> int:
             log.error("invalid config %s", fields(source=e.source, problem=m))
         return 2
     setup_logging(config.logging.level)
+    from edged.metrics import use_multiprocess_dir
+
+    run_dir = make_run_dir()
+    use_multiprocess_dir(os.path.join(run_dir, "metrics"))  # before any metric exists, here or in a child
     try:
-        import uvloop
-        runner = uvloop.run
-    except ImportError:
-        runner = asyncio.run
-    try:
-        return runner(Daemon(config, args.config, overrides).run())
+        # asyncio, not uvloop: the supervisor only waits on its children (uvloop's add_reader missed
+        # the control pipes' data now and then, under load), the workers carry the traffic.
+        return asyncio.run(Daemon(config, args.config, overrides, run_dir).run())
     except (OSError, ValueError, RuntimeError) as e:
         log.error("cannot start: %s", e)
         return 1
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def state_dir_for(config_path: str | None, state_dir: str | None) -> str:

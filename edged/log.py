@@ -6,15 +6,16 @@ import os
 import sys
 
 
-def setup_logging(level: str = "info") -> None:
-    """Configure the root `edged` logger once; safe to call again to change the level (live reload)."""
+def setup_logging(level: str = "info", process: str | None = None) -> None:
+    """Configure the root `edged` logger once; safe to call again to change the level (live reload).
+    `process` ("core", "w0", ...) names the daemon's child process in every line it writes."""
     logger = logging.getLogger("edged")
     logger.setLevel(level.upper())
     if logger.handlers:
         return
     handler = logging.StreamHandler(sys.stderr)
     # journald stamps each line itself; elsewhere a timestamp helps.
-    fmt = "%(levelname)s %(name)s: %(message)s"
+    fmt = "%(levelname)s %(name)s: %(message)s" if process is None else f"%(levelname)s %(name)s[{process}]: %(message)s"
     if not os.environ.get("JOURNAL_STREAM"):
         fmt = "%(asctime)s " + fmt
     handler.setFormatter(logging.Formatter(fmt))

@@ -70,6 +70,10 @@ class ChatTemplate:
         except jinja2.TemplateSyntaxError as e:
             raise ValueError(f"the model's chat template does not compile: {e}") from e
 
+    def __reduce__(self) -> tuple:
+        # Sent to worker processes: the source travels, each process compiles its own template.
+        return (ChatTemplate, (self.source, self.bos_token, self.eos_token))
+
     @property
     def is_fallback(self) -> bool:
         return self.source == CHATML_TEMPLATE

@@ -248,10 +248,13 @@ def test_an_open_loop_deals_arrivals_round_robin_and_keeps_their_send_times() ->
 class TierEngine(FakeEngine):
     """Refuses bronze with 429 (as a full tier queue would); streams max_tokens tokens otherwise."""
 
-    async def generate(self, request):  # type: ignore[override]
-        self.requests.append(request)
-        if request.tier == "bronze":
+    async def submit(self, request):  # type: ignore[override]
+        if request.tier == "bronze":  # refused at admission, before any response header
+            self.requests.append(request)
             raise AdmissionRefused("tier queue is full")
+        return await super().submit(request)
+
+    async def generate(self, request):  # type: ignore[override]
         n = request.sampling.max_tokens
         for i in range(n):
             await asyncio.sleep(self.delay)
@@ -260,7 +263,7 @@ class TierEngine(FakeEngine):
 
 @pytest.fixture(scope="module")
 def fake_server(tmp_path_factory: pytest.TempPathFactory):
-    from edged.server.h3_server import ServerSettings
+    from edged.server.settings import ServerSettings
     from edged.server.tls import ensure_cert
 
     certfile, keyfile = ensure_cert(tmp_path_factory.mktemp("state"))

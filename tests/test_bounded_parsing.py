@@ -14,7 +14,7 @@ import pytest
 
 from edged.server import openai_wire as wire
 from edged.server.h3_client import H3Client, ResponseStream, StreamError
-from edged.server.h3_server import ServerSettings
+from edged.server.settings import ServerSettings
 from edged.server.tls import ensure_cert
 from helpers.fake_engine import FakeEngine, ServerThread, expected_text
 

@@ -23,7 +23,7 @@ from edged.server.h3_client import (
     iter_sse,
     run_chat_command,
 )
-from edged.server.h3_server import ApiKeyPolicy, ServerSettings
+from edged.server.settings import ApiKeyPolicy, ServerSettings
 from edged.server.tls import TLSConfigError, default_ca_file, ensure_cert
 
 from helpers.fake_engine import SCRIPT, FakeEngine, ServerThread, expected_text, wait_until

@@ -15,10 +15,10 @@ import pytest
 
 import edged.metrics as metrics_mod
 from edged.config import Config, hash_api_key, parse_config
-from edged.daemon import Daemon
-from edged.metrics import EdgedMetrics
+from edged.metrics import EdgedMetrics, EngineSnapshot
 from edged.server.h3_client import H3Client
 from edged.server.routes import RequestRecord
+from edged.server.worker import Worker
 from edged.server.tls import ensure_cert
 from helpers.fake_engine import FakeEngine, ServerThread
 from helpers.metrics import families, metric_value, samples
@@ -30,19 +30,21 @@ def fake_engine(**counters):
     host = SimpleNamespace(counters=SimpleNamespace(spilled=5, restored=4))
     blocks = SimpleNamespace(num_used=10, num_free=54, counters=SimpleNamespace(prefix_tokens_reused=32),
                              host_tier=host)
-    return SimpleNamespace(counters=SimpleNamespace(**c), blocks=blocks)
+    tiers = {"gold": {"queue_depth": 2, "sla_attainment": 0.9, "batch_window_ms": 4.0},
+             "bronze": {"queue_depth": 7, "sla_attainment": 0.5, "batch_window_ms": 50.0}}
+    return SimpleNamespace(counters=SimpleNamespace(**c), blocks=blocks, batcher=SimpleNamespace(snapshot=lambda: tiers))
 
 
 def full_metrics() -> EdgedMetrics:
+    """As a worker renders them: the engine core's snapshot (taken on the core from the engine's objects)."""
     m = EdgedMetrics()
     s = m.sources
-    engine = fake_engine()
-    s.engine = lambda: engine
-    s.tier_snapshot = lambda: {"gold": {"queue_depth": 2, "sla_attainment": 0.9, "batch_window_ms": 4.0},
-                               "bronze": {"queue_depth": 7, "sla_attainment": 0.5, "batch_window_ms": 50.0}}
-    cache = SimpleNamespace(stats=lambda: {"hits": 3, "misses": 4, "bytes": 4096})
+    snap = EngineSnapshot.of(fake_engine(), {"allocated": 1 << 30, "reserved": 3 << 29})
+    s.engine = lambda: EngineSnapshot(**snap.to_dict())  # as it travels: a plain dict
+    for hit in (True, True, True, False, False, False, False):
+        m.observe_cache_lookup(hit)
+    cache = SimpleNamespace(stats=lambda: {"bytes": 4096})
     s.result_cache = lambda: cache
-    s.gpu_memory = lambda: {"allocated": 1 << 30, "reserved": 3 << 29}
     config = parse_config({"limits": {"max_tokens_limit": 777}, "cache": {"enabled": False}})
     s.config = lambda: config
     return m
@@ -75,17 +77,19 @@ def test_every_family_renders_the_values_of_its_sources() -> None:
     for tier, t in defaults.items():
         assert get("edged_tier_ttft_target_seconds", tier=tier) == pytest.approx(t.ttft_target_ms / 1000)
         assert get("edged_tier_max_queue", tier=tier) == t.max_queue
-    rss = get("edged_process_rss_bytes")
+        assert get("edged_tier_weight", tier=tier) == t.weight
+    rss = get("edged_process_rss_bytes", process="edged")
     assert 10e6 < rss < 2 * psutil.Process().memory_info().rss  # this process, not a constant
-    assert get("edged_process_cpu_percent") >= 0
+    assert get("edged_process_cpu_percent", process="edged") >= 0
 
 
 def test_without_sources_only_the_request_and_process_families_are_served() -> None:
     text = EdgedMetrics().render().decode()
     assert families(text) == {"edged_requests", "edged_ttft_seconds", "edged_itl_seconds", "edged_request_seconds",
-                              "edged_config_reloads", "edged_process_cpu_percent", "edged_process_rss_bytes"}
+                              "edged_config_reloads", "edged_result_cache_lookups", "edged_worker_restarts",
+                              "edged_process_cpu_percent", "edged_process_rss_bytes"}
     m = EdgedMetrics()
-    m.sources.gpu_memory = lambda: {}  # a CPU node: no GPU memory family at all
+    m.sources.engine = lambda: EngineSnapshot.of(fake_engine(), {})  # a CPU node: no GPU memory family at all
     assert "edged_gpu_memory_bytes" not in families(m.render().decode())
 
 
@@ -94,7 +98,7 @@ def test_tokens_per_second_is_the_rate_between_scrapes_at_least_a_second_apart(m
     monkeypatch.setattr(metrics_mod.time, "monotonic", lambda: now[0])
     m = full_metrics()
     engine = fake_engine(decode_tokens=0)
-    m.sources.engine = lambda: engine
+    m.sources.engine = lambda: EngineSnapshot.of(engine)
 
     def rate() -> float:
         return metric_value(m.render().decode(), "edged_tokens_per_second")
@@ -109,12 +113,12 @@ def test_tokens_per_second_is_the_rate_between_scrapes_at_least_a_second_apart(m
 
 
 def test_request_records_fill_the_per_tier_counters_and_histograms() -> None:
-    d = Daemon(Config(), None, {})
-    d._observe(RequestRecord("a", "/v1/chat/completions", 200, "length", "gold", prompt_tokens=5,
+    d = Worker("w0", Config(), FakeEngine())
+    d.metrics.observe_request(RequestRecord("a", "/v1/chat/completions", 200, "length", "gold", prompt_tokens=5,
                              completion_tokens=11, ttft_s=0.2, duration_s=1.2))
-    d._observe(RequestRecord("b", "/v1/chat/completions", 200, "stop", "gold", completion_tokens=1, ttft_s=0.03,
+    d.metrics.observe_request(RequestRecord("b", "/v1/chat/completions", 200, "stop", "gold", completion_tokens=1, ttft_s=0.03,
                              duration_s=0.03))
-    d._observe(RequestRecord("c", "/v1/chat/completions", 429, "rejected", "bronze", code="tier_queue_full"))
+    d.metrics.observe_request(RequestRecord("c", "/v1/chat/completions", 429, "rejected", "bronze", code="tier_queue_full"))
     text = d.metrics.render().decode()
     assert metric_value(text, "edged_requests_total", {"tier": "gold", "outcome": "length"}) == 1
     assert metric_value(text, "edged_requests_total", {"tier": "gold", "outcome": "stop"}) == 1
@@ -148,13 +152,13 @@ def test_metrics_are_for_loopback_or_a_key_and_readyz_says_whether_the_engine_se
     if ip is None:
         pytest.skip("this machine has no non-loopback IPv4 address")
     cert, key = ensure_cert(tmp_path)
-    daemon = Daemon(Config(), None, {})
+    daemon = Worker("w0", Config(), FakeEngine())
     alive = [True]
     daemon.engine_alive = lambda: alive[0]
     with ServerThread(FakeEngine(), cert, key, host="0.0.0.0") as st:
         daemon.server = st.server
-        st.server.router.add("GET", "/metrics", daemon._metrics_route, public=True)
-        st.server.router.add("GET", "/readyz", daemon._readyz_route, public=True)
+        st.server.router.add("GET", "/metrics", daemon.metrics_route, public=True)
+        st.server.router.add("GET", "/readyz", daemon.readyz_route, public=True)
 
         async def get(host: str, path: str, headers: dict | None = None):
             async with H3Client(host, st.port, insecure=True) as c:
@@ -163,7 +167,7 @@ def test_metrics_are_for_loopback_or_a_key_and_readyz_says_whether_the_engine_se
         async def go() -> None:
             r = await get("127.0.0.1", "/metrics")
             assert r.status == 200 and r.headers["content-type"].startswith("text/plain")
-            assert metric_value(r.text, "edged_process_rss_bytes") > 0
+            assert metric_value(r.text, "edged_process_rss_bytes", {"process": "edged"}) > 0
             r = await get(ip, "/metrics")
             assert (r.status, r.json()["error"]["code"]) == (403, "forbidden")
             daemon.config = parse_config({"auth": {"enabled": True, "keys": [

@@ -23,7 +23,7 @@ from edged.engine.llm_engine import LLMEngine, internal_error
 from edged.engine.request import GenerationRequest, StepOutput
 from edged.models.loader import LoadedModel
 from edged.server.h3_client import H3Client, iter_sse
-from edged.server.h3_server import ServerSettings
+from edged.server.settings import ServerSettings
 from edged.server.tls import ensure_cert
 from helpers.daemon import DaemonProcess, start_daemon
 from helpers.fake_engine import ServerThread

@@ -388,7 +388,7 @@ def test_routes_answer_admission_refusals_with_429_and_503_and_retry_after(tmp_p
 
     from helpers.fake_engine import FakeEngine, ServerThread
     from edged.server.h3_client import H3Client
-    from edged.server.h3_server import ServerSettings
+    from edged.server.settings import ServerSettings
     from edged.server.tls import ensure_cert
 
     tiers = {"gold": TierConfig(8.0, 60_000.0, 1), "bronze": TierConfig(1.0, 1.0, 100)}

@@ -11,6 +11,8 @@ from edged.engine.setup import EngineSettings, build_engine
 from edged.models.loader import LoadedModel
 from edged.server.h3_client import H3Client
 from edged.server.h3_server import serve
+from edged.server.routes import Router
+from edged.server.settings import ServerSettings
 from edged.server.tls import ensure_cert
 
 pytestmark = pytest.mark.slow
@@ -24,7 +26,7 @@ def test_a_reset_stream_frees_its_kv_blocks_within_one_engine_step(loaded_model:
     async def main() -> None:
         engine.start()
         cert, key = ensure_cert(tmp_path)
-        server = await serve(engine, "127.0.0.1", 0, cert, key)
+        server = await serve(Router(engine, ServerSettings()), "127.0.0.1", 0, cert, key)
         try:
             async with H3Client("127.0.0.1", server.port, ca_file=cert) as c:
                 body = json.dumps({"messages": [{"role": "user", "content": "Tell me a long story."}],

@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import logging
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
-from edged.engine.async_engine import TextDelta
+from edged.engine.client import TextDelta
 from edged.engine.request import GenerationRequest
 from edged.log import fields
 
@@ -17,13 +17,17 @@ class ResultCacheFront:
     def __init__(self, cache: ResultCache, model_id: str) -> None:
         self.cache = cache
         self.model_id = model_id
+        self.on_lookup: Callable[[bool], None] | None = None  # (hit): the lookup counters in /metrics
 
     async def lookup(self, gen: GenerationRequest) -> tuple[str | None, CachedResult | None]:
         """(key, hit): key None when the request is not cacheable or the cache is off."""
         if not self.cache.enabled or not is_cacheable(gen.sampling):
             return None, None
         key = make_key(self.model_id, gen.prompt_token_ids, gen.sampling)
-        return key, await self.cache.aget(key)
+        hit = await self.cache.aget(key)
+        if self.on_lookup is not None:
+            self.on_lookup(hit is not None)
+        return key, hit
 
     @staticmethod
     async def replay(hit: CachedResult) -> AsyncIterator[TextDelta]:

@@ -1,30 +1,25 @@
-"""The event loop's face of the engine: submit a request, get its text as an async stream."""
+"""The engine in this process behind the `EngineClient` protocol (tests, benchmarks, `edged bench`).
+
+The daemon runs the engine in its own process and its workers use `RemoteEngineClient`; this one
+drives an `LLMEngine` thread directly and delivers its outputs on the event loop.
+"""
 from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
-from edged.log import fields
 from edged.models.chat_template import ChatTemplate
 from edged.models.tokenizer import Tokenizer
+from edged.scheduler.rate_limit import RateLimiter, RatePolicy
 
+from .client import DeltaStream, TextDelta
 from .llm_engine import LLMEngine
 from .request import GenerationRequest, StepOutput
-from .text_stream import StopStringFilter
 
 log = logging.getLogger("edged.engine")
 
-
-@dataclass(slots=True)
-class TextDelta:
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None  # "stop" | "length" | "cancelled" | "error"; set on the last delta
-    prompt_tokens: int
-    completion_tokens: int
-    error: str | None = None
+__all__ = ["AsyncEngine", "TextDelta"]
 
 
 class AsyncEngine:
@@ -35,10 +30,11 @@ class AsyncEngine:
         self.chat_template = chat_template
         self.model_id = model_id
         self.max_model_len = max_model_len
+        self.admission = None  # an AdmissionController: SLA admission in submit()
         self._queues: dict[str, asyncio.Queue[StepOutput]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._limiter = RateLimiter()
         engine.on_outputs = self._from_engine_thread
-
     def start(self, on_thread_start: Callable[[], None] | None = None) -> None:
         """Bind to the running event loop and start the engine thread (on_thread_start runs on it)."""
         self._loop = asyncio.get_running_loop()
@@ -82,36 +78,26 @@ class AsyncEngine:
     def cancel(self, request_id: str) -> None:
         self.engine.cancel(request_id)
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[TextDelta]:
-        """Stream the request's text; closing the iterator early cancels the sequence."""
+    async def rate_limit(self, key: str, rps: float, burst: int) -> float | None:
+        return self._limiter.take(RatePolicy(key, rps, burst))
+
+    async def submit(self, request: GenerationRequest) -> AsyncIterator[TextDelta]:
+        """Admit (raises AdmissionError when refused) and start the request; its deltas follow."""
+        if self.admission is not None:
+            self.admission.admit(request)
+        return self.generate(request)
+
+    def generate(self, request: GenerationRequest) -> DeltaStream:
+        """Stream the request's text without admission control; closing the iterator early cancels it."""
         if self._loop is None:
-            self.start()
+            self._loop = asyncio.get_running_loop()
+            if not self.engine.is_alive():
+                self.engine.start()
         rid = request.request_id
         if rid in self._queues:
             raise ValueError(f"request id {rid} is already running")
         q: asyncio.Queue[StepOutput] = asyncio.Queue()
         self._queues[rid] = q
         self.engine.add_request(request)
-        detok = self.tokenizer.detokenizer()
-        stops = StopStringFilter(list(request.sampling.stop))
-        n_prompt, n_done = len(request.prompt_token_ids), 0
-        engine_done = False  # the engine has freed the sequence itself
-        try:
-            while True:
-                out = await q.get()
-                engine_done = out.finished
-                n_done += len(out.new_token_ids)
-                text = detok.add(out.new_token_ids) + (detok.flush() if out.finished else "")
-                piece = stops.push(text, final=out.finished)
-                if piece.stopped:
-                    yield TextDelta(piece.text, out.new_token_ids, "stop", n_prompt, n_done)
-                    return
-                if piece.text or out.new_token_ids or out.finished:
-                    yield TextDelta(piece.text, out.new_token_ids, out.finish_reason, n_prompt, n_done, out.error)
-                if out.finished:
-                    return
-        finally:
-            self._queues.pop(rid, None)
-            if not engine_done:
-                self.engine.cancel(rid)
-                log.debug("sequence cancelled by its stream %s", fields(request_id=rid, tokens=n_done))
+        return DeltaStream(request, q, self.tokenizer, self.engine.cancel, lambda: self._queues.pop(rid, None))
+

@@ -167,6 +167,15 @@ class LLMEngine:
         log.debug("cancelled %s", fields(request_id=request_id, step=self.counters.steps))
         return StepOutput(request_id, [], True, "cancelled")
 
+    def cancel_matching(self, matches: Callable[[str], bool]) -> int:
+        """Engine thread: cancel every sequence whose request id matches (a worker died); returns how many."""
+        ids = [rid for rid in self._by_id if matches(rid)]
+        for rid in ids:
+            self._cancel(rid)
+        if ids:
+            log.info("sequences of a lost worker cancelled %s", fields(count=len(ids)))
+        return len(ids)
+
     def step(self) -> list[StepOutput]:
         """Run one step and read its tokens back before returning."""
         outputs, launched = self._schedule_and_launch(None)

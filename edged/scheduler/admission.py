@@ -29,7 +29,6 @@ from collections.abc import Callable
 
 from edged.engine.request import GenerationRequest
 from edged.log import fields
-from edged.server.openai_wire import WireError
 
 from .step_stats import StepStats
 from .tiers import TierBoard
@@ -58,18 +57,19 @@ def weighted_fair_shares(demand: dict[str, float], weights: dict[str, float], ca
     return alloc
 
 
-class AdmissionError(WireError):
+class AdmissionError(Exception):
     """A refused request: status 429 (tier queue full) or 503 (deadline unreachable), with the seconds
-    a client should wait (`retry_after_s`; also `retry_after`/`http_status`, which routes map).
-    A WireError, so the routes answer it as an OpenAI-style error with a Retry-After header."""
+    a client should wait (`retry_after_s`; also `retry_after`/`http_status`, which the router maps to an
+    OpenAI-style error with a Retry-After header)."""
 
     def __init__(self, status: int, message: str, retry_after_s: float, *, tier: str | None = None,
                  reason: str | None = None, predicted_ttft_s: float | None = None) -> None:
+        super().__init__(message)
         seconds = max(1, math.ceil(retry_after_s))
-        super().__init__(status, message,
-                         code="tier_queue_full" if status == 429 else "deadline_unreachable",
-                         type="rate_limit_error" if status == 429 else "server_error",
-                         headers=[("retry-after", str(seconds))])
+        self.status = status
+        self.message = message
+        self.code = "tier_queue_full" if status == 429 else "deadline_unreachable"
+        self.headers = [("retry-after", str(seconds))]
         self.retry_after_s = float(retry_after_s)
         self.retry_after = seconds
         self.http_status = status

@@ -1,4 +1,5 @@
-"""API keys: the `Authorization: Bearer KEY` header, the key's policy, and per-key rate limits.
+"""API keys: the `Authorization: Bearer KEY` header and the key's policy (rate limits are counted
+once for the whole daemon, in the engine core: edged/scheduler/rate_limit.py).
 
 Keys are stored as sha256 hex digests (config `auth.keys[].sha256`). A presented key matches only
 byte for byte: the header may carry RFC 9110 whitespace (space, tab) around it, nothing else is
@@ -7,10 +8,8 @@ trimmed, so a key with a no-break space or a vertical tab in front is a differen
 from __future__ import annotations
 
 import hashlib
-import math
-import time
 from collections.abc import Mapping
-from typing import Protocol, TypeVar
+from typing import TypeVar
 
 T = TypeVar("T")
 
@@ -40,31 +39,3 @@ def lookup(header: str | None, keys: Mapping[str, T]) -> T | None:
     """The value stored under the digest of the header's Bearer key, or None."""
     key = bearer_key(header)
     return None if key is None else keys.get(key_digest(key))
-
-
-class RatePolicy(Protocol):
-    name: str
-    rate_limit_rps: float | None
-    burst: int | None
-
-
-class RateLimiter:
-    """Token bucket per key name: `burst` requests at once, refilled at `rate_limit_rps`."""
-
-    def __init__(self) -> None:
-        self._buckets: dict[str, tuple[float, float]] = {}  # key name -> (tokens, last refill time)
-
-    def take(self, policy: RatePolicy) -> float | None:
-        """None if the request may run; else the seconds (at least 1) until it may."""
-        rps = float(policy.rate_limit_rps or 0)
-        if rps <= 0:
-            return None
-        burst = float(policy.burst or max(1, math.ceil(rps)))
-        now = time.monotonic()
-        tokens, last = self._buckets.get(policy.name, (burst, now))
-        tokens = min(burst, tokens + (now - last) * rps)
-        if tokens < 1.0:
-            self._buckets[policy.name] = (tokens, now)
-            return float(max(1, math.ceil((1.0 - tokens) / rps)))
-        self._buckets[policy.name] = (tokens - 1.0, now)
-        return None

@@ -14,11 +14,10 @@ import asyncio
 import logging
 import re
 import uuid
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+import socket
+from typing import Any, Protocol
 
 from aioquic.asyncio import QuicConnectionProtocol
-from aioquic.asyncio import serve as quic_serve
 from aioquic.asyncio.server import QuicServer
 from aioquic.h3.connection import H3_ALPN, ErrorCode, H3Connection, HeadersState
 from aioquic.h3.events import DataReceived, H3Event, HeadersReceived
@@ -34,48 +33,24 @@ from aioquic.quic.events import (
 
 from edged.log import fields
 from edged.server import openai_wire as wire
+from edged.server.settings import ApiKeyPolicy, ServerSettings
 
-if TYPE_CHECKING:
-    from edged.server.routes import Router
+__all__ = ["EdgedServer", "RequestHandler", "RequestStream", "serve"]
+
+
+class RequestHandler(Protocol):
+    """What the transport calls; the router (routes.py) implements it. The transport never imports it."""
+
+    settings: ServerSettings
+    draining: bool
+
+    async def handle(self, req: RequestStream) -> None: ...
+
+    def rejected(self, req: RequestStream, err: wire.WireError) -> None: ...
 
 log = logging.getLogger("edged.server")
 
 REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
-
-
-@dataclass(slots=True, frozen=True)
-class ApiKeyPolicy:
-    """What one API key may do (ServerSettings.api_keys is keyed by the sha256 hex of the key)."""
-
-    name: str
-    tier: str | None = None  # None: ServerSettings.default_tier
-    rate_limit_rps: float | None = None  # None: unlimited
-    burst: int | None = None  # None: max(1, ceil(rate_limit_rps))
-
-
-@dataclass(slots=True)
-class ServerSettings:
-    """What the HTTP/3 front end needs from config; may be replaced while running (live reload)."""
-
-    max_body_bytes: int = 1 << 20  # larger bodies: 413, as soon as the limit is crossed
-    default_max_tokens: int = 256  # when a request gives none (also capped by the limits and the room left)
-    max_tokens_limit: int | None = None  # an explicit max_tokens above this: 400
-    max_prompt_tokens: int | None = None  # longer prompts: 400 (None: max_model_len - 1)
-    tiers: tuple[str, ...] | None = None  # known tier names; None: accept any well-formed name
-    default_tier: str = "default"  # tier of a request that names none (and of keys without one)
-    tier_max_tokens: dict[str, int] = field(default_factory=dict)  # per-tier cap under max_tokens_limit
-    api_keys: dict[str, ApiKeyPolicy] | None = None  # sha256(key) hex -> policy; None: no authentication
-    request_timeout_s: float | None = None  # generation running longer is ended with an error
-    max_concurrent_streams: int = 128  # per connection, enforced by QUIC (new connections only)
-    body_timeout_s: float = 30.0  # headers not complete within this: reset; the body not within this after them: 408
-    idle_timeout_s: float = 60.0  # QUIC idle timeout (new connections only)
-    keepalive_s: float = 15.0  # PING interval while a connection has requests in flight
-    send_high_water: int = 256 * 1024  # unacknowledged bytes per stream before a write waits
-    send_stall_timeout_s: float = 30.0  # a client that acknowledges nothing for this long is dropped
-    max_datagram_frame_size: int = 65536
-    drain_retry_after_s: int = 5  # Retry-After of the 503 sent while shutting down
-    access_log: bool = True  # one INFO line per finished request (else DEBUG)
-    allow_special_tokens_in_prompt: bool = False  # /v1/completions text may write control tokens
 
 
 class RequestStream:
@@ -497,10 +472,8 @@ class HttpServerProtocol(QuicConnectionProtocol):
 class EdgedServer:
     """The running HTTP/3 server: `close()`, `await shutdown(timeout)`, `port`, live `settings`."""
 
-    def __init__(self, engine: Any, settings: ServerSettings, router: Router) -> None:
-        self.engine = engine
+    def __init__(self, router: RequestHandler) -> None:
         self.router = router
-        self._settings = settings
         self._quic_server: QuicServer | None = None
         self._protocols: set[HttpServerProtocol] = set()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -508,12 +481,11 @@ class EdgedServer:
 
     @property
     def settings(self) -> ServerSettings:
-        return self._settings
+        return self.router.settings
 
     @settings.setter
     def settings(self, value: ServerSettings) -> None:
         """Live reload: takes effect for new requests (the QUIC idle timeout only for new connections)."""
-        self._settings = value
         self.router.settings = value
 
     @property
@@ -585,17 +557,18 @@ class EdgedServer:
 
 
 async def serve(
-    engine: Any,
+    router: RequestHandler,
     host: str,
     port: int,
     certfile: str,
     keyfile: str,
-    settings: ServerSettings | None = None,
+    *,
+    sock: socket.socket | None = None,
 ) -> EdgedServer:
-    """Listen for HTTP/3 on UDP host:port (IPv4 or IPv6; port 0 picks a free one) and serve `engine`."""
-    from edged.server.routes import Router
-
-    settings = settings or ServerSettings()
+    """Listen for HTTP/3 on UDP host:port (IPv4 or IPv6; port 0 picks a free one), or on `sock`, a
+    bound UDP socket (a worker's share of the daemon's SO_REUSEPORT group), and hand every request
+    to `router`."""
+    settings = router.settings
     config = QuicConfiguration(
         is_client=False,
         alpn_protocols=H3_ALPN,
@@ -603,9 +576,11 @@ async def serve(
         idle_timeout=settings.idle_timeout_s,
     )
     config.load_cert_chain(certfile, keyfile)
-    router = Router(engine, settings)
-    server = EdgedServer(engine, settings, router)
-    server._quic_server = await quic_serve(host, port, configuration=config, create_protocol=server._create_protocol)
+    server = EdgedServer(router)
+    loop = asyncio.get_running_loop()
+    where: dict[str, Any] = {"sock": sock} if sock is not None else {"local_addr": (host, port)}
+    _, server._quic_server = await loop.create_datagram_endpoint(
+        lambda: QuicServer(configuration=config, create_protocol=server._create_protocol), **where)
     h, p = server.address
-    log.info("listening %s", fields(proto="h3", host=h, port=p, model=getattr(engine, "model_id", "?")))
+    log.info("listening %s", fields(proto="h3", host=h, port=p))
     return server

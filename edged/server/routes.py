@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator
@@ -20,9 +21,10 @@ from edged.server.openai_wire import ParsedRequest, WireError
 
 if TYPE_CHECKING:
     from edged.cache.result_front import ResultCacheFront
-    from edged.scheduler.admission import AdmissionController
+    from edged.engine.client import EngineClient
     from edged.engine.request import GenerationRequest
-    from edged.server.h3_server import RequestStream, ServerSettings
+    from edged.server.h3_server import RequestStream
+    from edged.server.settings import ServerSettings
 
 log = logging.getLogger("edged.server")
 
@@ -55,19 +57,17 @@ class RequestRecord:
 class Router:
     """Path -> method -> handler; `add()` lets the daemon mount more (e.g. GET /metrics)."""
 
-    def __init__(self, engine: Any, settings: ServerSettings) -> None:
+    def __init__(self, engine: EngineClient, settings: ServerSettings) -> None:
         self.engine = engine
         self.settings = settings
         self.created = wire.now()
         self.draining = False
         self.result_cache: ResultCacheFront | None = None  # set by the daemon when the cache is configured
-        self.admission: AdmissionController | None = None  # set by the daemon: SLA admission control
         self.health_check: Callable[[], bool] | None = None  # set by the daemon: False -> 503
         self.observers: list[Callable[[RequestRecord], None]] = []  # e.g. metrics; called on the loop
         self.routes: dict[str, dict[str, Handler]] = {}
         self.public_paths: set[str] = set(PUBLIC_PATHS)
         self._inflight: set[str] = set()  # engine request ids: unique even when clients reuse x-request-id
-        self._limiter = auth.RateLimiter()
         self._suffix = itertools.count(1)
         self.add("POST", "/v1/chat/completions", self.chat_completions)
         self.add("POST", "/v1/completions", self.completions)
@@ -99,7 +99,7 @@ class Router:
                 raise WireError(503, "The server is shutting down.", type="server_error", code="shutting_down",
                                 headers=[("retry-after", str(self.settings.drain_retry_after_s))])
             if self.settings.api_keys is not None and path not in self.public_paths:
-                self._authenticate(req)
+                await self._authenticate(req)
             await handler(req)
         except WireError as e:
             if not req.respond_error(e) and not req.closed:
@@ -157,14 +157,18 @@ class Router:
             except Exception:
                 log.exception("request observer failed %s", fields(rid=rec.request_id))
 
-    def _authenticate(self, req: RequestStream) -> None:
-        """Bearer key -> policy (keys are stored as sha256 hex digests); then its rate limit."""
+    async def _authenticate(self, req: RequestStream) -> None:
+        """Bearer key -> policy (keys are stored as sha256 hex digests); then its rate limit, counted
+        once for the whole daemon by the engine core."""
         policy = auth.lookup(req.header("authorization"), self.settings.api_keys or {})
         if policy is None:
             raise WireError(401, "Missing or invalid API key (send 'Authorization: Bearer KEY').",
                             code="invalid_api_key", headers=[("www-authenticate", "Bearer")])
         req.api_key = policy
-        wait = self._limiter.take(policy)
+        rps = float(policy.rate_limit_rps or 0)
+        if rps <= 0:
+            return
+        wait = await self.engine.rate_limit(policy.name, rps, policy.burst or max(1, math.ceil(rps)))
         if wait is not None:
             raise WireError(429, f"Rate limit of {policy.rate_limit_rps:g} requests/s exceeded for key "
                                  f"'{policy.name}'.", type="rate_limit_error", code="rate_limit_exceeded",
@@ -248,13 +252,9 @@ class Router:
                                            st.default_max_tokens, limit, st.max_prompt_tokens,
                                            getattr(self.engine, "vocab_size", None))
         req.tier, req.prompt_tokens = tier, len(prompt_ids)
-        agen = await self._generation(req, gen)
-        # SLA admission (edged.scheduler.admission; the daemon sets router.admission), after the result
-        # cache (a hit needs no engine work): AdmissionError is a WireError, 429/503 with Retry-After.
-        if not req.cache_hit and (admission := self.admission) is not None:
-            admission.admit(gen)
         self._inflight.add(eid)
         try:
+            agen = await self._generation(req, gen)
             async with asyncio.timeout(st.request_timeout_s) as deadline:
                 if p.stream:
                     await self._stream(req, p, gen, agen)
@@ -276,19 +276,24 @@ class Router:
             self._inflight.discard(eid)
 
     async def _generation(self, req: RequestStream, gen: GenerationRequest) -> AsyncIterator[Any]:
-        """The deltas of a request: replayed from the result cache on a hit, else from the engine
-        (recorded into the cache when the request is deterministic)."""
+        """The deltas of a request: replayed from the result cache on a hit (no engine work, no
+        admission), else from the engine once it admitted the request (recorded into the cache when
+        the request is deterministic). A refusal (SLA admission: 429/503) is raised here, before any
+        response header went out."""
         front = self.result_cache
-        if front is None:
-            return self.engine.generate(gen)
-        key, hit = await front.lookup(gen)
-        if key is None:
-            return self.engine.generate(gen)
-        req.response_headers.append(("x-edged-cache", "hit" if hit else "miss"))
+        key, hit = await front.lookup(gen) if front is not None else (None, None)
+        if key is not None:
+            req.response_headers.append(("x-edged-cache", "hit" if hit else "miss"))
         if hit is not None:
             req.cache_hit = True
             return front.replay(hit)
-        return front.recording(key, self.engine.generate(gen))
+        try:
+            agen = await self.engine.submit(gen)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            raise self._engine_error(req, e) from None
+        return agen if key is None else front.recording(key, agen)
 
     async def _collect(self, req: RequestStream, p: ParsedRequest, gen: GenerationRequest, agen: Any) -> None:
         """Non-streaming: gather every delta, answer one body."""
@@ -354,24 +359,15 @@ class Router:
         def error_event(message: str, code: str | None, type: str = "server_error") -> bytes:
             return enc(wire.error_body(message, type=type, code=code))
 
-        # Run the generator's first step before the headers go out: an engine that refuses at once
-        # (admission: queue full, deadline unreachable) still gets a proper 429/503.
-        first = asyncio.ensure_future(agen.__anext__())
         finished = False
         try:
-            await asyncio.sleep(0)
-            if first.done() and not first.cancelled() and first.exception() is not None:
-                exc = first.exception()
-                if not isinstance(exc, StopAsyncIteration):
-                    raise self._engine_error(req, exc)
             if not req.start(200, "application/x-msgpack" if packed else "text/event-stream",
                              [("cache-control", "no-cache")]):
                 return
             if p.kind == "chat" and not await req.write(chunk(role=True)):
                 return
             try:
-                d = await first
-                while True:
+                async for d in agen:
                     self._progress(req, d)
                     if d.finish_reason in ("error", "cancelled"):
                         finished = True
@@ -389,10 +385,9 @@ class Router:
                             tail += enc(wire.usage_chunk(p.kind, rid, created, model, d.prompt_tokens,
                                                          d.completion_tokens))
                         break
-                    d = await agen.__anext__()
-            except StopAsyncIteration:
-                req.outcome = "error"
-                tail = error_event("The engine ended the stream without a result.", "internal_error")
+                else:
+                    req.outcome = "error"
+                    tail = error_event("The engine ended the stream without a result.", "internal_error")
             except asyncio.CancelledError:
                 raise
             except Exception as e:
@@ -410,22 +405,14 @@ class Router:
                 req.respond_error(WireError(503, "The server is shutting down.", type="server_error",
                                             code="shutting_down"))
         finally:
-            if not first.done():
-                first.cancel()
-                await asyncio.wait([first])
             await self._release(agen, gen, finished)
 
     async def _release(self, agen: Any, gen: GenerationRequest, finished: bool) -> None:
-        """Cancel an unfinished sequence and close the generator (which also cancels it)."""
-        if not finished:
-            try:
-                self.engine.cancel(gen.request_id)
-            except Exception as e:
-                log.warning("engine cancel failed %s", fields(rid=gen.request_id, error=repr(e)))
+        """Close the delta stream: it cancels the sequence if the engine has not finished it."""
         try:
             await agen.aclose()
-        except (Exception, asyncio.CancelledError) as e:  # a generator closed mid-step
-            log.debug("generator close failed %s", fields(rid=gen.request_id, error=repr(e)))
+        except (Exception, asyncio.CancelledError) as e:  # a stream closed mid-step
+            log.debug("stream close failed %s", fields(rid=gen.request_id, error=repr(e)))
 
     def _engine_error(self, req: RequestStream, exc: BaseException) -> WireError:
         """Map an exception from engine.generate: `http_status` (+`retry_after`, `code`) attributes choose

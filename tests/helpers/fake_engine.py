@@ -19,7 +19,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from edged.engine.request import GenerationRequest
-from edged.server.h3_server import EdgedServer, ServerSettings, serve
+from edged.scheduler.rate_limit import RateLimiter, RatePolicy
+from edged.server.h3_server import EdgedServer, serve
+from edged.server.routes import Router
+from edged.server.settings import ServerSettings
 
 SCRIPT = ["Hello", ",", " wor", "ld", "!", " ✓"]
 
@@ -40,6 +43,28 @@ class AdmissionRefused(Exception):
     code = "tier_queue_full"
 
 
+class FakeStream:
+    """The fake's DeltaStream: `aclose()` before the last delta cancels the request, once."""
+
+    def __init__(self, engine: FakeEngine, request_id: str, deltas: AsyncIterator[FakeDelta]) -> None:
+        self.engine, self.request_id, self.deltas = engine, request_id, deltas
+        self.finished = False
+
+    def __aiter__(self) -> FakeStream:
+        return self
+
+    async def __anext__(self) -> FakeDelta:
+        d = await self.deltas.__anext__()
+        self.finished = d.finish_reason is not None
+        return d
+
+    async def aclose(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self.engine.cancel(self.request_id)
+        await self.deltas.aclose()
+
+
 class FakeEngine:
     model_id = "fake-model"
 
@@ -53,6 +78,7 @@ class FakeEngine:
         self.peak_active = 0
         self.release = threading.Event()  # lets "[held]" streams finish
         self._lock = threading.Lock()
+        self._limiter = RateLimiter()
 
     # -- tokenizer
     def encode(self, text: str) -> list[int]:
@@ -72,13 +98,24 @@ class FakeEngine:
         with self._lock:
             self.cancelled.append(request_id)
 
+    @property
+    def vocab_size(self) -> int:
+        return 0x110000  # every code point
+
+    async def rate_limit(self, key: str, rps: float, burst: int) -> float | None:
+        return self._limiter.take(RatePolicy(key, rps, burst))
+
+    async def submit(self, request: GenerationRequest) -> FakeStream:
+        """As the real clients: refused before any delta, and the stream cancels itself when closed early."""
+        with self._lock:
+            self.requests.append(request)
+        if "[refuse]" in self.decode(request.prompt_token_ids):
+            raise AdmissionRefused("tier queue is full")
+        return FakeStream(self, request.request_id, self.generate(request))
+
     async def generate(self, request: GenerationRequest) -> AsyncIterator[FakeDelta]:
         prompt = self.decode(request.prompt_token_ids)
         rid = request.request_id
-        with self._lock:
-            self.requests.append(request)
-        if "[refuse]" in prompt:
-            raise AdmissionRefused("tier queue is full")
         self.active.add(rid)
         self.peak_active = max(self.peak_active, len(self.active))
         n_prompt = len(request.prompt_token_ids)
@@ -153,7 +190,7 @@ class ServerThread:
         asyncio.set_event_loop(self.loop)
         try:
             self.server = self.loop.run_until_complete(
-                serve(self.engine, self.host, 0, self.certfile, self.keyfile, self.settings))
+                serve(Router(self.engine, self.settings), self.host, 0, self.certfile, self.keyfile))
             self.port = self.server.port
         except BaseException as e:  # noqa: BLE001 - reported to the test thread
             self._error = e

@@ -1,0 +1,309 @@
+"""The engine core process: the device, the KV cache, the SLA batcher with admission, the step loop.
+
+The supervisor (edged/daemon.py) starts it first. It loads the model, builds the engine, runs one
+warm-up step, binds the two sockets of ipc.py and reports "ready" with what the workers need to
+tokenize (tokenizer, chat template, model id, context length). Then:
+
+- the main thread receives the workers' messages: a request is admitted (SLA admission and the
+  per-key rate limits are here, so each is counted once for the whole daemon) and queued, or
+  refused at once with its 429/503; aborts cancel sequences;
+- the engine thread runs steps and sends each worker one message per step with all of its new
+  tokens (`_send_outputs`);
+- the control pipe from the supervisor brings config reloads, "a worker died" (its sequences are
+  cancelled, their KV blocks freed) and "stop"; the core answers with heartbeats while the engine
+  loop makes progress (the supervisor's systemd watchdog depends on them).
+
+The core ignores SIGINT and SIGTERM: the supervisor stops it after the workers have drained.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any, Callable
+
+import zmq
+
+from edged.config import Config
+from edged.log import fields, setup_logging
+from edged.metrics import EngineSnapshot
+
+from . import ipc
+from .request import GenerationRequest, SamplingParams, StepOutput
+
+log = logging.getLogger("edged.core")
+
+HEARTBEAT_S = 0.5  # heartbeats to the supervisor and engine metrics, this often
+ENGINE_STALL_S = 20.0  # no engine-loop iteration for this long: stop sending heartbeats
+
+
+@dataclass(slots=True)
+class ModelInfo:
+    """What a worker needs of the model: sent by the core once it is ready (pickled)."""
+
+    model_id: str
+    max_model_len: int
+    vocab_size: int
+    tokenizer: Any
+    chat_template: Any
+    device: str
+
+
+def engine_settings(config: Config):
+    """The engine's build settings from the config (resolved once, here)."""
+    from .setup import EngineSettings
+
+    m = config.model
+    return EngineSettings(
+        quant=m.quant, group_size=m.group_size, dtype=m.dtype, kv_cache_dtype=m.kv_cache_dtype,
+        max_model_len=m.max_model_len, device=m.device, gpu_memory_fraction=m.gpu_memory_fraction,
+        block_size=m.block_size, max_num_seqs=m.max_num_seqs, max_batch_tokens=m.max_batch_tokens,
+        prefix_caching=config.cache.prefix_cache, cuda_graphs=m.cuda_graphs,
+        host_spill_bytes=config.cache.host_spill_bytes, transfer_budget_bytes=config.scheduler.transfer_budget_bytes)
+
+
+def gpu_memory() -> dict[str, int]:
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+    return {"allocated": torch.cuda.memory_allocated(), "reserved": torch.cuda.memory_reserved()}
+
+
+class EngineCore:
+    def __init__(self, config: Config, run_dir: str, control: Connection, workers: list[str]) -> None:
+        self.config = config
+        self.workers = workers  # names of the front-end workers ("w0", ...): where engine stats go
+        self.run_dir = run_dir
+        self.control = control
+        self.topology_cap: int | None = None
+        self.transfer_budget: int | None = None
+        self.pinned_cpus: list[int] = []
+        self._send_lock = threading.Lock()  # core.out is written by the main and the engine thread
+        self._stop = False
+
+    # ---- start
+
+    def build(self) -> ModelInfo:
+        from edged.models.loader import load_model, with_overrides
+        from .setup import build_engine
+
+        cfg = self.config
+        loaded = load_model(cfg.model.path)
+        loaded = with_overrides(loaded, cfg.model.served_name, cfg.model.tokenizer, cfg.model.chat_template)
+        self.front = build_engine(loaded, engine_settings(cfg))
+        self.engine = self.front.engine
+        self._topology(cfg)
+        self._apply_scheduler_config(cfg)
+        self.admission = self.engine.batcher.admission()
+        from edged.scheduler.rate_limit import RateLimiter
+
+        self.limiter = RateLimiter()
+        self._warm_up()
+        return ModelInfo(loaded.model_id, self.front.max_model_len, self.engine.vocab_size, loaded.tokenizer,
+                         loaded.chat_template, str(self.engine.runner.device))
+
+    def _warm_up(self) -> None:
+        """One real step through every layer before READY, so the first client does not pay for it."""
+        done = threading.Event()
+        self.engine.on_outputs = lambda outs: done.set() if any(o.finished for o in outs) else None
+        self.engine.start(self._pin_engine_thread)
+        ids = self.front.tokenizer.encode_plain("Hello")
+        self.engine.add_request(GenerationRequest("warmup", ids, SamplingParams(temperature=0.0, max_tokens=2)))
+        if not done.wait(600):
+            raise RuntimeError("the warm-up step did not finish")
+        self.engine.on_outputs = self._send_outputs
+
+    def _pin_engine_thread(self) -> None:
+        if self.pinned_cpus:
+            from edged.scheduler.topology import pin_engine_thread
+            pin_engine_thread(self.pinned_cpus)
+
+    def _topology(self, config: Config) -> None:
+        """On a GPU node: batch cap and per-step PCIe budget from the topology; the engine thread
+        pinned to the GPU's local CPUs."""
+        if self.engine.runner.device.type != "cuda":
+            return
+        import torch
+
+        from edged.scheduler.topology import plan
+
+        topo, limits = plan(device_index=torch.cuda.current_device(), batch_cap_override=config.scheduler.batch_cap)
+        self.topology_cap = limits.batch_cap
+        self.transfer_budget = limits.step_transfer_budget_bytes
+        if config.scheduler.pin_threads:
+            self.pinned_cpus = limits.pinned_cpus
+        log.info("topology %s", fields(bus=topo.bus_id, hops=topo.hops, gen=topo.link_gen, width=topo.link_width,
+                                       batch_cap=limits.batch_cap, step_budget_mb=limits.step_transfer_budget_bytes >> 20,
+                                       cpus=len(self.pinned_cpus)))
+
+    def batch_limits(self, config: Config):
+        """The per-step limits: the batch cap is the config's, else the topology's, never above
+        model.max_num_seqs (the CUDA graphs' largest batch)."""
+        from edged.scheduler.batcher import BatchLimits
+
+        cap = config.scheduler.batch_cap or self.topology_cap or config.model.max_num_seqs
+        return BatchLimits(min(cap, config.model.max_num_seqs),
+                           config.scheduler.step_token_budget or config.model.max_batch_tokens)
+
+    def _apply_scheduler_config(self, config: Config) -> None:
+        """Tiers, default tier, limits and preemption into the batcher (engine thread or before start)."""
+        self.engine.batcher.reconfigure(config.tiers, config.scheduler.default_tier, self.batch_limits(config),
+                                        preemption=config.scheduler.preemption)
+        self.engine.blocks.transfer_budget_bytes = config.scheduler.transfer_budget_bytes or self.transfer_budget
+
+    # ---- run
+
+    def serve(self, on_bound: Callable[[], None]) -> None:
+        ctx = zmq.Context(io_threads=1)
+        self.pull = ctx.socket(zmq.PULL)
+        self.pull.bind(ipc.address(self.run_dir, ipc.CORE_IN))
+        self.out = ctx.socket(zmq.ROUTER)
+        self.out.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted worker takes over its name
+        self.out.setsockopt(zmq.SNDHWM, 0)  # never drop or block on a slow worker's token messages
+        self.out.bind(ipc.address(self.run_dir, ipc.CORE_OUT))
+        on_bound()
+        poller = zmq.Poller()
+        poller.register(self.pull, zmq.POLLIN)
+        poller.register(self.control.fileno(), zmq.POLLIN)
+        next_beat = 0.0
+        try:
+            while not self._stop:
+                ready = dict(poller.poll(int(HEARTBEAT_S * 1000)))
+                if self.pull in ready:
+                    self._drain_requests()
+                if self.control.fileno() in ready:
+                    self._control_message()
+                now = time.monotonic()
+                if now >= next_beat:
+                    next_beat = now + HEARTBEAT_S
+                    self._heartbeat()
+        finally:
+            self.engine.stop()
+            self.pull.close(0)
+            self.out.close(0)
+            ctx.term()
+
+    def _send(self, worker: str, message: bytes) -> None:
+        with self._send_lock:
+            try:
+                self.out.send_multipart([worker.encode(), message], zmq.NOBLOCK)
+            except zmq.ZMQError as e:  # the worker is gone; its sequences are cancelled by the supervisor
+                log.debug("send to worker failed %s", fields(worker=worker, error=str(e)))
+
+    def _drain_requests(self) -> None:
+        while True:
+            try:
+                data = self.pull.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                msg = ipc.unpack(data)
+                kind = msg["t"]
+                if kind == "add":
+                    self._add(msg)
+                elif kind == "abort":
+                    for wid in msg["ids"]:
+                        self.engine.cancel(wid)
+                        self.admission.release(wid)
+                elif kind == "rate":
+                    self._rate(msg)
+                else:
+                    log.warning("unknown message from a worker %s", fields(type=kind))
+            except Exception:  # one bad message must not stop the core
+                log.exception("worker message failed")
+
+    def _add(self, msg: dict[str, Any]) -> None:
+        request = ipc.request_from(msg)
+        wid = request.request_id
+        rid, worker = ipc.split_wire_id(wid)
+        try:
+            self.admission.admit(request)
+        except Exception as e:
+            status = getattr(e, "http_status", None)
+            if status is None:
+                raise
+            self._send(worker, ipc.pack({"t": "ack", "id": rid, "err": [status, getattr(e, "code", None), str(e),
+                                                                       getattr(e, "retry_after", None)]}))
+            return
+        self._send(worker, ipc.pack({"t": "ack", "id": rid, "err": None}))
+        self.engine.add_request(request)
+
+    def _rate(self, msg: dict[str, Any]) -> None:
+        from edged.scheduler.rate_limit import RatePolicy
+
+        wait = self.limiter.take(RatePolicy(msg["key"], msg["rps"], msg["burst"]))
+        self._send(msg["w"], ipc.pack({"t": "rate", "q": msg["q"], "wait": wait}))
+
+    def _send_outputs(self, outputs: list[StepOutput]) -> None:
+        """Engine thread, once per step: one message per worker with every new token of its streams."""
+        by_worker: dict[str, list[list[Any]]] = {}
+        for o in outputs:
+            rid, worker = ipc.split_wire_id(o.request_id)
+            by_worker.setdefault(worker, []).append([rid, o.new_token_ids, o.finish_reason if o.finished else None,
+                                                     o.error])
+        for worker, items in by_worker.items():
+            if worker:
+                self._send(worker, ipc.pack({"t": "out", "o": items}))
+
+    def _control_message(self) -> None:
+        try:
+            kind, *args = self.control.recv()
+        except (EOFError, OSError):  # the supervisor is gone: stop, do not linger as an orphan
+            log.error("supervisor gone, stopping")
+            self._stop = True
+            return
+        if kind == "stop":
+            self._stop = True
+        elif kind == "config":
+            new: Config = args[0]
+            self.config = new
+            setup_logging(new.logging.level)
+            self.engine.call(lambda: self._apply_scheduler_config(new))
+            log.info("config applied %s", fields(process="core"))
+        elif kind == "worker_gone":
+            suffix = "@" + args[0]
+            self.engine.call(lambda: self.engine.cancel_matching(lambda rid: rid.endswith(suffix)))
+
+    def engine_alive(self) -> bool:
+        return self.engine.is_alive() and time.monotonic() - self.engine.counters.last_progress < ENGINE_STALL_S
+
+    def _heartbeat(self) -> None:
+        try:
+            stats = ipc.pack({"t": "stats", "s": EngineSnapshot.of(self.engine, gpu_memory()).to_dict(),
+                              "alive": self.engine_alive()})
+            for worker in self.workers:
+                self._send(worker, stats)
+        except Exception:
+            log.exception("engine metrics failed")
+        if self.engine_alive():
+            try:
+                self.control.send(("beat",))
+            except (BrokenPipeError, OSError):
+                self._stop = True
+
+
+def run_engine_core(config: Config, run_dir: str, workers: list[str], control: Connection) -> None:
+    """Entry point of the engine core process (multiprocessing "spawn")."""
+    from edged.processes import child_setup, register_process
+
+    child_setup("core", config.logging.level)
+    register_process(run_dir, "core")
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the supervisor stops the core after the workers drained
+    core = EngineCore(config, run_dir, control, workers)
+    try:
+        info = core.build()
+    except Exception as e:
+        log.error("engine core failed to start %s", fields(error=repr(e)), exc_info=e)
+        control.send(("failed", f"{type(e).__name__}: {e}"))
+        raise SystemExit(1) from None
+    started = time.monotonic()
+    try:
+        # Bound first, then "ready": a worker started on "ready" finds the sockets there.
+        core.serve(on_bound=lambda: control.send(("ready", info)))
+    finally:
+        log.info("engine core stopped %s", fields(uptime_s=round(time.monotonic() - started, 1), pid=os.getpid()))

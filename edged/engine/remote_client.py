@@ -1,0 +1,153 @@
+"""The worker's `EngineClient`: requests go to the engine core process, token ids come back.
+
+One task reads the core's messages (ipc.py) and puts each stream's outputs on its queue; the
+stream's text is assembled by `DeltaStream` on this worker's event loop (detokenization, stop
+strings, coalescing), so the core never touches text.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from edged.log import fields
+
+from . import ipc
+from .client import DeltaStream, EngineRefused
+from .request import GenerationRequest, StepOutput
+
+log = logging.getLogger("edged.engine")
+
+
+class RemoteEngineClient:
+    def __init__(self, info: Any, run_dir: str, worker: str) -> None:
+        self.model_id: str = info.model_id
+        self.max_model_len: int = info.max_model_len
+        self._vocab_size: int = info.vocab_size
+        self.tokenizer = info.tokenizer
+        self.chat_template = info.chat_template
+        self.worker = worker
+        self._sync = zmq.Context()
+        self._push = self._sync.socket(zmq.PUSH)  # sends never block the loop: no high-water mark
+        self._push.setsockopt(zmq.SNDHWM, 0)
+        self._push.setsockopt(zmq.LINGER, 1000)
+        self._push.connect(ipc.address(run_dir, ipc.CORE_IN))
+        self._async = zmq.asyncio.Context()
+        self._dealer = self._async.socket(zmq.DEALER)
+        self._dealer.setsockopt(zmq.IDENTITY, worker.encode())
+        self._dealer.setsockopt(zmq.RCVHWM, 0)
+        self._dealer.setsockopt(zmq.LINGER, 0)
+        self._dealer.connect(ipc.address(run_dir, ipc.CORE_OUT))
+        self._queues: dict[str, asyncio.Queue[StepOutput]] = {}
+        self._acks: dict[str, asyncio.Future[list | None]] = {}
+        self._rates: dict[int, asyncio.Future[float | None]] = {}
+        self._rate_ids = itertools.count()
+        self._reader: asyncio.Task[None] | None = None
+        self.engine_stats: dict[str, Any] | None = None  # the core's latest EngineSnapshot, as a dict
+        self.engine_stats_at: float | None = None  # monotonic time it came
+        self.engine_alive = False  # the core's engine loop makes progress (as of engine_stats_at)
+
+    # ---- EngineClient
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def active_requests(self) -> int:
+        return len(self._queues)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode_plain(text)
+
+    def encode_with_special_tokens(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    def render_chat(self, messages: list[dict]) -> list[int]:
+        pieces = self.chat_template.render_pieces(messages, self.tokenizer.special_token_pattern)
+        return self.tokenizer.encode_markup(pieces)
+
+    async def submit(self, request: GenerationRequest) -> DeltaStream:
+        self._ensure_reader()
+        rid = request.request_id
+        if rid in self._queues:
+            raise ValueError(f"request id {rid} is already running")
+        queue: asyncio.Queue[StepOutput] = asyncio.Queue()
+        ack = asyncio.get_running_loop().create_future()
+        self._queues[rid], self._acks[rid] = queue, ack
+        try:
+            self._push.send(ipc.add_message(request, self.worker), zmq.NOBLOCK)
+            err = await ack
+        except BaseException:
+            self._queues.pop(rid, None)
+            self._acks.pop(rid, None)
+            self.cancel(rid)
+            raise
+        if err is not None:
+            self._queues.pop(rid, None)
+            status, code, message, retry_after = err
+            raise EngineRefused(status, code, message, retry_after)
+        return DeltaStream(request, queue, self.tokenizer, self.cancel, lambda: self._queues.pop(rid, None))
+
+    def cancel(self, request_id: str) -> None:
+        try:
+            self._push.send(ipc.pack({"t": "abort", "ids": [ipc.wire_id(request_id, self.worker)]}), zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            log.warning("abort not sent %s", fields(rid=request_id, error=str(e)))
+
+    async def rate_limit(self, key: str, rps: float, burst: int) -> float | None:
+        self._ensure_reader()
+        q = next(self._rate_ids)
+        fut = self._rates[q] = asyncio.get_running_loop().create_future()
+        try:
+            self._push.send(ipc.pack({"t": "rate", "w": self.worker, "q": q, "key": key, "rps": rps, "burst": burst}),
+                            zmq.NOBLOCK)
+            return await fut
+        finally:
+            self._rates.pop(q, None)
+
+    # ---- the core's messages
+
+    def start(self) -> None:
+        """Start reading the core's messages (on the running loop)."""
+        self._ensure_reader()
+
+    def _ensure_reader(self) -> None:
+        if self._reader is None:
+            self._reader = asyncio.get_running_loop().create_task(self._read())
+
+    async def _read(self) -> None:
+        while True:
+            try:
+                msg = ipc.unpack(await self._dealer.recv())
+                kind = msg["t"]
+                if kind == "out":
+                    for rid, ids, reason, error in msg["o"]:
+                        if (queue := self._queues.get(rid)) is not None:
+                            queue.put_nowait(StepOutput(rid, ids, reason is not None, reason, error))
+                elif kind == "ack":
+                    if (fut := self._acks.pop(msg["id"], None)) is not None and not fut.done():
+                        fut.set_result(msg["err"])
+                elif kind == "stats":
+                    self.engine_stats, self.engine_alive = msg["s"], msg["alive"]
+                    self.engine_stats_at = time.monotonic()
+                elif kind == "rate":
+                    if (fut := self._rates.get(msg["q"])) is not None and not fut.done():
+                        fut.set_result(msg["wait"])
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a bad message must not end every stream of this worker
+                log.exception("engine message failed")
+
+    def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+        self._dealer.close(0)
+        self._push.close()
+        self._async.term()
+        self._sync.term()

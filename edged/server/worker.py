@@ -1,0 +1,214 @@
+"""A front-end worker process: HTTP/3 on its share of the daemon's UDP port, and all per-request work.
+
+Each worker runs uvloop + aioquic on a UDP socket that the supervisor bound with SO_REUSEPORT (the
+kernel keeps a connection's packets on one socket, hence one worker) and does, for the requests of
+its connections: QUIC/TLS, HTTP/3, auth, parsing and validation, chat template and tokenization,
+result-cache lookups (the SQLite file is shared in WAL mode), detokenization, stop strings and
+SSE/JSON/msgpack framing. The engine is the core process, reached through `RemoteEngineClient`.
+
+The control pipe from the supervisor brings config reloads and "drain"; the worker answers
+"ready" once it serves and a heartbeat twice a second while its event loop runs.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from edged.config import Config, is_loopback
+from edged.log import fields, setup_logging
+from edged.metrics import EdgedMetrics, EngineSnapshot
+from edged.processes import process_table
+from edged.server.settings import ApiKeyPolicy, ServerSettings
+
+log = logging.getLogger("edged.worker")
+
+HEARTBEAT_S = 0.5
+ENGINE_STALE_S = 5.0  # no engine stats from the core for this long: not ready
+
+
+def server_settings(config: Config) -> ServerSettings:
+    """The front end's settings from the config (resolved once per config, here)."""
+    keys = None
+    if config.auth.enabled:
+        keys = {k.sha256: ApiKeyPolicy(k.name, k.tier, k.rate_limit_rps, k.burst) for k in config.auth.keys}
+    return ServerSettings(
+        max_body_bytes=config.server.max_body_bytes,
+        default_max_tokens=config.limits.max_tokens_default,
+        max_tokens_limit=config.limits.max_tokens_limit,
+        max_prompt_tokens=config.limits.max_prompt_tokens,
+        tiers=tuple(config.tiers),
+        default_tier=config.scheduler.default_tier,
+        tier_max_tokens={n: t.max_tokens for n, t in config.tiers.items() if t.max_tokens},
+        api_keys=keys,
+        request_timeout_s=config.server.request_timeout_s,
+        max_concurrent_streams=config.server.max_concurrent_streams,
+        access_log=config.logging.access_log,
+        allow_special_tokens_in_prompt=config.limits.allow_special_tokens_in_prompt,
+    )
+
+
+class Worker:
+    def __init__(self, name: str, config: Config, engine: Any, run_dir: str | None = None,
+                 control: Connection | None = None) -> None:
+        self.name = name
+        self.config = config
+        self.engine = engine  # an EngineClient
+        self.run_dir = run_dir
+        self.control = control
+        self.metrics = EdgedMetrics()
+        self.server = None
+        self.result_cache = None
+        self._drain = asyncio.Event()
+
+    # ---- health
+
+    def engine_alive(self) -> bool:
+        """The core reports twice a second, with whether its engine loop makes progress."""
+        stats_at = getattr(self.engine, "engine_stats_at", None)
+        return stats_at is not None and time.monotonic() - stats_at < ENGINE_STALE_S and \
+            bool(getattr(self.engine, "engine_alive", False))
+
+    # ---- run
+
+    async def run(self, sock: socket.socket, certfile: str, keyfile: str) -> int:
+        from edged.server.h3_server import serve
+        from edged.server.routes import Router
+
+        cfg = self.config
+        self.engine.start()
+        await self._open_result_cache()
+        router = Router(self.engine, server_settings(cfg))
+        self.server = await serve(router, cfg.server.host, cfg.server.port, certfile, keyfile, sock=sock)
+        self.mount(router)
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, self._drain.set)  # systemd's KillMode=mixed sends it only to the supervisor
+        if self.control is not None:
+            # A thread that blocks on the pipe: uvloop's add_reader proved unreliable for these fds.
+            threading.Thread(target=self._read_control, args=(loop,), name="control", daemon=True).start()
+            self.control.send(("ready",))
+        beat = asyncio.create_task(self._heartbeat())
+        await self._drain.wait()
+        log.info("draining %s", fields(worker=self.name, drain_timeout_s=self.config.server.drain_timeout_s))
+        await self.server.shutdown(self.config.server.drain_timeout_s)
+        beat.cancel()
+        if self.result_cache is not None:
+            await asyncio.to_thread(self.result_cache.close)  # flushes queued writes
+        self.engine.close()
+        log.info("worker stopped %s", fields(worker=self.name))
+        return 0
+
+    async def _open_result_cache(self) -> None:
+        from edged.cache.result_cache import ResultCache, db_path
+        from edged.cache.result_front import ResultCacheFront
+
+        c = self.config.cache
+        Path(self.config.server.state_dir).mkdir(parents=True, exist_ok=True)
+        self.result_cache = await asyncio.to_thread(ResultCache.open, db_path(self.config.server.state_dir),
+                                                    c.max_bytes, c.ttl_s, c.enabled)
+        self.cache_front = ResultCacheFront(self.result_cache, self.engine.model_id)
+        self.cache_front.on_lookup = self.metrics.observe_cache_lookup
+
+    def mount(self, router: Any) -> None:
+        """Health, metrics and the result cache on the router."""
+        router.health_check = self.engine_alive
+        router.result_cache = getattr(self, "cache_front", None)
+        router.observers.append(self.metrics.observe_request)
+        router.add("GET", "/metrics", self.metrics_route, public=True)
+        router.add("GET", "/readyz", self.readyz_route, public=True)
+        src = self.metrics.sources
+        src.engine = self._engine_snapshot
+        src.result_cache = lambda: self.result_cache
+        src.config = lambda: self.config
+        if self.run_dir is not None:
+            src.processes = lambda: process_table(self.run_dir)
+
+    def _engine_snapshot(self) -> EngineSnapshot | None:
+        stats = getattr(self.engine, "engine_stats", None)
+        return EngineSnapshot(**stats) if stats else None
+
+    async def metrics_route(self, req: Any) -> None:
+        from edged.server.auth import lookup
+        from edged.server.openai_wire import WireError
+
+        auth = self.config.auth
+        if auth.metrics_requires_key or (auth.metrics_loopback_only and not is_loopback(req.peer_host)):
+            if lookup(req.header("authorization"), {k.sha256: k for k in auth.keys}) is None:
+                raise WireError(401 if auth.metrics_requires_key else 403,
+                                "/metrics is served to loopback clients or with an API key.", code="forbidden")
+        req.respond(200, self.metrics.render(), "text/plain; version=0.0.4; charset=utf-8")
+
+    async def readyz_route(self, req: Any) -> None:
+        ready = self.engine_alive() and not self.server.router.draining
+        req.respond_json(200 if ready else 503, {"status": "ready" if ready else "not ready"})
+
+    # ---- supervisor
+
+    def _read_control(self, loop: asyncio.AbstractEventLoop) -> None:
+        while True:
+            try:
+                message = self.control.recv()
+            except (EOFError, OSError):  # the supervisor is gone: stop at once
+                loop.call_soon_threadsafe(self._supervisor_gone)
+                return
+            loop.call_soon_threadsafe(self._control_message, message)
+
+    def _supervisor_gone(self) -> None:
+        log.error("supervisor gone %s", fields(worker=self.name))
+        self.config.server.drain_timeout_s = 0
+        self._drain.set()
+
+    def _control_message(self, message: tuple) -> None:
+        kind, *args = message
+        if kind == "config":
+            self.apply_config(args[0])
+        elif kind == "drain":
+            self._drain.set()
+
+    def apply_config(self, new: Config) -> None:
+        self.config = new
+        setup_logging(new.logging.level)
+        if self.result_cache is not None:
+            c = new.cache  # off the loop: it may evict from the file
+            asyncio.get_running_loop().run_in_executor(None, self.result_cache.reconfigure, c.max_bytes, c.ttl_s,
+                                                       c.enabled)
+        if self.server is not None:
+            self.server.settings = server_settings(new)
+        log.debug("config applied %s", fields(worker=self.name))
+
+    async def _heartbeat(self) -> None:
+        while True:
+            await asyncio.sleep(HEARTBEAT_S)
+            if self.control is not None:
+                try:
+                    self.control.send(("beat",))
+                except OSError:
+                    return
+
+
+def run_worker(name: str, config: Config, info: Any, run_dir: str, sock: socket.socket, certfile: str,
+               keyfile: str, control: Connection) -> None:
+    """Entry point of a front-end worker process (multiprocessing "spawn")."""
+    from edged.engine.remote_client import RemoteEngineClient
+    from edged.processes import child_setup, register_process
+
+    child_setup(name, config.logging.level)
+    register_process(run_dir, name)
+
+    async def main() -> int:
+        worker = Worker(name, config, RemoteEngineClient(info, run_dir, name), run_dir, control)
+        return await worker.run(sock, certfile, keyfile)
+
+    try:
+        import uvloop
+        code = uvloop.run(main())
+    except ImportError:
+        code = asyncio.run(main())
+    raise SystemExit(code)
