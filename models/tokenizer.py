@@ -25,6 +25,11 @@ class Tokenizer:
         self.bos_token_id = bos_token_id
         self.eos_token_ids: list[int] = list(dict.fromkeys(eos_token_ids))
 
+    def __getstate__(self) -> dict:
+        # Sent to worker processes: cached helpers are rebuilt there (a pickled tokenizers.Tokenizer
+        # loses runtime flags such as encode_special_tokens, which _plain_backend depends on).
+        return {k: self.__dict__[k] for k in ("backend", "bos_token_id", "eos_token_ids")}
+
     @classmethod
     def from_file(cls, path: str | Path, bos_token_id: int | None = None,
                   eos_token_ids: Iterable[int] = ()) -> Tokenizer:

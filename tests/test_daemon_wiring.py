@@ -1,4 +1,4 @@
-"""The daemon's wiring of the scheduler limits: batch cap from config, PCIe topology and CUDA-graph
+"""The engine core's wiring of the scheduler limits: batch cap from config, PCIe topology and CUDA-graph
 size; the engine thread pinned to the GPU's local CPUs. A fake sysfs tree stands in for /sys and the
 tiny engine's batcher receives the limits (no GPU, no model)."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 
 import edged.scheduler.topology as topology
 from edged.config import parse_config
-from edged.daemon import Daemon
+from edged.engine.core import EngineCore
 from helpers.sysfs import FakeSysfs
 from helpers.tiny_engine import tiny_engine
 
@@ -33,7 +33,7 @@ def config(**scheduler):
 ])
 def test_batch_limits_take_the_config_then_the_topology_then_the_graph_size(topology_cap, scheduler, model,
                                                                          want) -> None:
-    d = Daemon(config(**scheduler, model=model), None, {})
+    d = EngineCore(config(**scheduler, model=model), "", None, [])
     d.topology_cap = topology_cap
     limits = d.batch_limits(d.config)
     assert (limits.max_num_seqs, limits.max_batch_tokens) == want
@@ -47,8 +47,8 @@ def plx_gen4_x8(fs: FakeSysfs, cpulist: str) -> None:
     fs.gpu(down, "0000:03:00.0", speed=4, width=8, numa_node=0, local_cpulist=cpulist)
 
 
-def cuda_daemon(tmp_path, monkeypatch, cfg, cpu: int) -> tuple[Daemon, object]:
-    """A Daemon whose engine looks like a CUDA one, on the fake topology; returns it and the real
+def cuda_daemon(tmp_path, monkeypatch, cfg, cpu: int) -> tuple[EngineCore, object]:
+    """An engine core whose engine looks like a CUDA one, on the fake topology; returns it and the real
     tiny engine whose batcher and block manager receive the limits."""
     fs = FakeSysfs(tmp_path)
     plx_gen4_x8(fs, str(cpu))
@@ -57,9 +57,9 @@ def cuda_daemon(tmp_path, monkeypatch, cfg, cpu: int) -> tuple[Daemon, object]:
                                                                  batch_cap_override=kw.get("batch_cap_override")))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     tiny = tiny_engine()
-    d = Daemon(cfg, None, {})
-    d.engine = SimpleNamespace(engine=SimpleNamespace(runner=SimpleNamespace(device=torch.device("cuda")),
-                                                      batcher=tiny.batcher, blocks=tiny.blocks))
+    d = EngineCore(cfg, "", None, [])
+    d.engine = SimpleNamespace(runner=SimpleNamespace(device=torch.device("cuda")), batcher=tiny.batcher,
+                               blocks=tiny.blocks)
     return d, tiny
 
 
@@ -67,7 +67,7 @@ def test_a_cuda_engine_gets_the_topology_cap_the_pcie_budget_and_its_cpus(tmp_pa
     cpu = max(os.sched_getaffinity(0))
     d, tiny = cuda_daemon(tmp_path, monkeypatch, config(), cpu)
     d._topology(d.config)
-    d._scheduler_config(d.config)
+    d._apply_scheduler_config(d.config)
     assert d.topology_cap == 10
     assert tiny.batcher.limits.max_num_seqs == 10 and tiny.batcher.limits.max_batch_tokens == 2048
     assert d.transfer_budget > 0 and tiny.blocks.transfer_budget_bytes == d.transfer_budget
@@ -91,7 +91,7 @@ def test_config_overrides_the_topology_cap_and_pinning_can_be_off(tmp_path, monk
     cfg = parse_config({"scheduler": {"batch_cap": 6, "pin_threads": False, "transfer_budget_bytes": 12345}})
     d, tiny = cuda_daemon(tmp_path, monkeypatch, cfg, max(os.sched_getaffinity(0)))
     d._topology(d.config)
-    d._scheduler_config(d.config)
+    d._apply_scheduler_config(d.config)
     assert tiny.batcher.limits.max_num_seqs == 6
     assert tiny.blocks.transfer_budget_bytes == 12345
     assert d.pinned_cpus == []
@@ -103,9 +103,9 @@ def test_a_cpu_engine_reads_no_topology_and_pins_nothing(monkeypatch) -> None:
 
     monkeypatch.setattr(topology, "plan", no_plan)
     tiny = tiny_engine()
-    d = Daemon(config(), None, {})
-    d.engine = SimpleNamespace(engine=tiny)
+    d = EngineCore(config(), "", None, [])
+    d.engine = tiny
     d._topology(d.config)
-    d._scheduler_config(d.config)
+    d._apply_scheduler_config(d.config)
     assert (d.topology_cap, d.pinned_cpus) == (None, [])
     assert tiny.batcher.limits.max_num_seqs == 64

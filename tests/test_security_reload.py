@@ -318,7 +318,7 @@ def test_each_change_is_read_once_and_off_the_event_loop(tmp_path: Path, monkeyp
     monkeypatch.setattr(daemon_module, "setup_logging", lambda level: None)  # leave pytest's logging alone
 
     async def main() -> None:
-        d = daemon_module.Daemon(apply_overrides(load_config(path)), str(path), {})
+        d = daemon_module.Daemon(apply_overrides(load_config(path)), str(path), {}, str(tmp_path))
         watcher = asyncio.create_task(d._watch_config())
         path.write_text("logging:\n  level: warning\n")
         await d._reload_once("SIGHUP")

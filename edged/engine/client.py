@@ -96,22 +96,28 @@ class DeltaStream:
     async def __anext__(self) -> TextDelta:
         while not self._ended:
             out = await self._outputs.get()
-            ids, finished, reason, error = list(out.new_token_ids), out.finished, out.finish_reason, out.error
-            while not finished and not self._outputs.empty():  # behind: everything pending in one delta
-                more = self._outputs.get_nowait()
-                ids += more.new_token_ids
-                finished, reason, error = more.finished, more.finish_reason, more.error
-            self._engine_done = finished
-            self._n_done += len(ids)
-            text = self._detok.add(ids) + (self._detok.flush() if finished else "")
-            piece = self._stops.push(text, final=finished)
-            if piece.stopped:
-                self._ended = True
-                await self.aclose()  # the engine would go on: end the sequence now
-                return TextDelta(piece.text, ids, "stop", self._n_prompt, self._n_done)
-            self._ended = finished
-            if piece.text or ids or finished:
-                return TextDelta(piece.text, ids, reason, self._n_prompt, self._n_done, error)
+            texts: list[str] = []
+            ids: list[int] = []
+            while True:  # behind: everything pending goes in one delta, a stop string still cuts exactly
+                ids += out.new_token_ids
+                self._n_done += len(out.new_token_ids)
+                self._engine_done = out.finished
+                text = self._detok.add(out.new_token_ids) + (self._detok.flush() if out.finished else "")
+                piece = self._stops.push(text, final=out.finished)
+                texts.append(piece.text)
+                if piece.stopped:
+                    self._ended = True
+                    await self.aclose()  # the engine would go on: end the sequence now
+                    return TextDelta("".join(texts), ids, "stop", self._n_prompt, self._n_done)
+                if out.finished:
+                    self._ended = True
+                    return TextDelta("".join(texts), ids, out.finish_reason, self._n_prompt, self._n_done, out.error)
+                if self._outputs.empty():
+                    break
+                out = self._outputs.get_nowait()
+            text = "".join(texts)
+            if text or ids:
+                return TextDelta(text, ids, None, self._n_prompt, self._n_done)
         await self.aclose()
         raise StopAsyncIteration
 
