@@ -268,14 +268,16 @@ class Daemon:
                 f"{len(self.workers)} workers")
 
     async def _shutdown(self, code: int) -> int:
-        """Workers drain (in-flight streams finish up to drain_timeout_s), then the core stops."""
+        """Workers drain (in-flight streams finish up to drain_timeout_s; at once when the core is
+        gone, since nothing more will come), then the core stops."""
         self._stopping = True
         self.notifier.stopping()
-        timeout = self.config.server.drain_timeout_s
+        core_alive = self.core is not None and self.core.process.is_alive()
+        timeout = self.config.server.drain_timeout_s if core_alive else 0.0
         log.info("stopping %s", fields(drain_timeout_s=timeout, workers=len(self.workers), exit_code=code))
         workers = [c for c in self.workers.values() if c.process.is_alive()]
         for c in workers:
-            c.send("drain")
+            c.send("drain", timeout)
         await self._join(workers, timeout + 10.0)
         if self.core is not None and self.core.process.is_alive():
             self.core.send("stop")

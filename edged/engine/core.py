@@ -304,6 +304,10 @@ def run_engine_core(config: Config, run_dir: str, workers: list[str], control: C
     started = time.monotonic()
     try:
         # Bound first, then "ready": a worker started on "ready" finds the sockets there.
-        core.serve(on_bound=lambda: control.send(("ready", info)))
+        def ready() -> None:
+            control.send(("ready", info))
+            log.info("engine core ready %s", fields(pid=os.getpid(), workers=len(workers)))
+
+        core.serve(on_bound=ready)
     finally:
         log.info("engine core stopped %s", fields(uptime_s=round(time.monotonic() - started, 1), pid=os.getpid()))

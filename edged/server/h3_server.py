@@ -205,6 +205,8 @@ class RequestStream:
     def _base_headers(self, status: int, content_type: str, extra: list[tuple[str, str]]) -> list[tuple[bytes, bytes]]:
         h = [(b":status", str(status).encode()), (b"server", b"edged"), (b"x-request-id", self.request_id.encode()),
              (b"content-type", content_type.encode())]
+        if self.settings.worker:
+            h.append((b"x-edged-worker", self.settings.worker.encode()))
         h += [(k.lower().encode("latin-1"), v.encode("latin-1", "replace"))
               for k, v in [*self.response_headers, *extra]]
         return h

@@ -37,3 +37,4 @@ class ServerSettings:
     drain_retry_after_s: int = 5  # Retry-After of the 503 sent while shutting down
     access_log: bool = True  # one INFO line per finished request (else DEBUG)
     allow_special_tokens_in_prompt: bool = False  # /v1/completions text may write control tokens
+    worker: str | None = None  # the front-end worker's name, sent as x-edged-worker (matches its log lines)

@@ -34,7 +34,7 @@ HEARTBEAT_S = 0.5
 ENGINE_STALE_S = 5.0  # no engine stats from the core for this long: not ready
 
 
-def server_settings(config: Config) -> ServerSettings:
+def server_settings(config: Config, worker: str | None = None) -> ServerSettings:
     """The front end's settings from the config (resolved once per config, here)."""
     keys = None
     if config.auth.enabled:
@@ -52,6 +52,7 @@ def server_settings(config: Config) -> ServerSettings:
         max_concurrent_streams=config.server.max_concurrent_streams,
         access_log=config.logging.access_log,
         allow_special_tokens_in_prompt=config.limits.allow_special_tokens_in_prompt,
+        worker=worker,
     )
 
 
@@ -67,6 +68,7 @@ class Worker:
         self.server = None
         self.result_cache = None
         self._drain = asyncio.Event()
+        self._drain_timeout: float | None = None  # from the supervisor's "drain"; None: the config's
 
     # ---- health
 
@@ -85,7 +87,7 @@ class Worker:
         cfg = self.config
         self.engine.start()
         await self._open_result_cache()
-        router = Router(self.engine, server_settings(cfg))
+        router = Router(self.engine, server_settings(cfg, self.name))
         self.server = await serve(router, cfg.server.host, cfg.server.port, certfile, keyfile, sock=sock)
         self.mount(router)
         loop = asyncio.get_running_loop()
@@ -94,10 +96,12 @@ class Worker:
             # A thread that blocks on the pipe: uvloop's add_reader proved unreliable for these fds.
             threading.Thread(target=self._read_control, args=(loop,), name="control", daemon=True).start()
             self.control.send(("ready",))
+        log.info("worker ready %s", fields(worker=self.name, pid=os.getpid()))
         beat = asyncio.create_task(self._heartbeat())
         await self._drain.wait()
-        log.info("draining %s", fields(worker=self.name, drain_timeout_s=self.config.server.drain_timeout_s))
-        await self.server.shutdown(self.config.server.drain_timeout_s)
+        timeout = self.config.server.drain_timeout_s if self._drain_timeout is None else self._drain_timeout
+        log.info("draining %s", fields(worker=self.name, drain_timeout_s=timeout))
+        await self.server.shutdown(timeout)
         beat.cancel()
         if self.result_cache is not None:
             await asyncio.to_thread(self.result_cache.close)  # flushes queued writes
@@ -162,7 +166,7 @@ class Worker:
 
     def _supervisor_gone(self) -> None:
         log.error("supervisor gone %s", fields(worker=self.name))
-        self.config.server.drain_timeout_s = 0
+        self._drain_timeout = 0.0
         self._drain.set()
 
     def _control_message(self, message: tuple) -> None:
@@ -170,6 +174,7 @@ class Worker:
         if kind == "config":
             self.apply_config(args[0])
         elif kind == "drain":
+            self._drain_timeout = args[0] if args else None
             self._drain.set()
 
     def apply_config(self, new: Config) -> None:
@@ -180,7 +185,7 @@ class Worker:
             asyncio.get_running_loop().run_in_executor(None, self.result_cache.reconfigure, c.max_bytes, c.ttl_s,
                                                        c.enabled)
         if self.server is not None:
-            self.server.settings = server_settings(new)
+            self.server.settings = server_settings(new, self.name)
         log.debug("config applied %s", fields(worker=self.name))
 
     async def _heartbeat(self) -> None:
