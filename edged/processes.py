@@ -9,6 +9,7 @@ from pathlib import Path
 from edged.log import setup_logging
 
 PR_SET_PDEATHSIG = 1
+PR_SET_NAME = 15
 
 
 def child_setup(name: str, log_level: str) -> None:
@@ -16,7 +17,9 @@ def child_setup(name: str, log_level: str) -> None:
     GPU or the port); Ctrl-C reaches the whole process group, but only the supervisor acts on it."""
     setup_logging(log_level, name)
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        libc.prctl(PR_SET_NAME, f"edged-{name}".encode()[:15])  # what ps, top and psutil show
     except (OSError, AttributeError):  # not Linux: the control pipe's EOF still ends the child
         pass
     signal.signal(signal.SIGINT, signal.SIG_IGN)

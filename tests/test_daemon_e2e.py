@@ -11,6 +11,7 @@ from typing import Iterator
 
 import msgpack
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from edged.server.h3_client import H3Client, iter_sse
 from helpers.daemon import DaemonProcess, free_udp_port, start_daemon
@@ -337,6 +338,10 @@ def test_metrics_after_real_requests_have_every_family_with_plausible_values(dae
         window = metric_value(after, "edged_batch_window_seconds", {"tier": tier})
         assert t.batch_window_ms.min / 1000 <= window <= t.batch_window_ms.max / 1000
         assert metric_value(after, "edged_tier_ttft_target_seconds", {"tier": tier}) == t.ttft_target_ms / 1000
-    rss = metric_value(after, "edged_process_rss_bytes")
-    assert rss == pytest.approx(rss_now, rel=0.25)  # the daemon's own memory
-    assert 0 <= metric_value(after, "edged_process_cpu_percent") <= 100 * psutil.cpu_count()
+    rss = metric_value(after, "edged_process_rss_bytes", {"process": "supervisor"})
+    assert rss == pytest.approx(rss_now, rel=0.25)  # the supervisor's own memory
+    roles = {s.labels["process"] for f in text_string_to_metric_families(after) for s in f.samples
+             if s.name == "edged_process_rss_bytes"}
+    assert roles == {"supervisor", "core", "w0"}  # every process of the daemon, by role
+    for role in roles:
+        assert 0 <= metric_value(after, "edged_process_cpu_percent", {"process": role}) <= 100 * psutil.cpu_count()

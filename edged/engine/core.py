@@ -212,6 +212,8 @@ class EngineCore:
                         self.admission.release(wid)
                 elif kind == "rate":
                     self._rate(msg)
+                elif kind == "stats":  # a /metrics scrape: the engine as of now
+                    self._send(msg["w"], self._stats_message(msg["q"]))
                 else:
                     log.warning("unknown message from a worker %s", fields(type=kind))
             except Exception:  # one bad message must not stop the core
@@ -250,6 +252,10 @@ class EngineCore:
             if worker:
                 self._send(worker, ipc.pack({"t": "out", "o": items}))
 
+    def _stats_message(self, query: int | None) -> bytes:
+        return ipc.pack({"t": "stats", "q": query, "s": EngineSnapshot.of(self.engine, gpu_memory()).to_dict(),
+                         "alive": self.engine_alive()})
+
     def _control_message(self) -> None:
         try:
             kind, *args = self.control.recv()
@@ -274,8 +280,7 @@ class EngineCore:
 
     def _heartbeat(self) -> None:
         try:
-            stats = ipc.pack({"t": "stats", "s": EngineSnapshot.of(self.engine, gpu_memory()).to_dict(),
-                              "alive": self.engine_alive()})
+            stats = self._stats_message(None)
             for worker in self.workers:
                 self._send(worker, stats)
         except Exception:

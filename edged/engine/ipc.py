@@ -17,6 +17,7 @@ Messages are msgpack maps with a type "t". Worker -> core:
     {"t": "add", "id", "prompt", "sp", "tier", "arrival"}   a request (sp: SamplingParams fields)
     {"t": "abort", "ids": [...]}                            cancel sequences
     {"t": "rate", "q", "key", "rps", "burst"}               take one token of a key's rate limit
+    {"t": "stats", "w", "q"}                                the engine's numbers now (a /metrics scrape)
 
 Core -> worker:
 
@@ -26,6 +27,10 @@ Core -> worker:
                                 one message per engine step per worker with every new token of
                                 every stream of that worker (never one message per token)
     {"t": "rate", "q", "wait"}  None: go ahead; else seconds until the key may send again
+    {"t": "stats", "q", "s", "alive"}
+                                the engine's metrics (metrics.EngineSnapshot) and whether its loop
+                                makes progress: to every worker twice a second (q None; the
+                                workers' health) and in answer to a "stats" ask
 
 Request ids on the wire are the worker's engine id plus "@" and the worker's name, so ids are
 unique across workers, the core knows whose a sequence is, and a log line still shows the

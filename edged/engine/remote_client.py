@@ -45,8 +45,8 @@ class RemoteEngineClient:
         self._dealer.connect(ipc.address(run_dir, ipc.CORE_OUT))
         self._queues: dict[str, asyncio.Queue[StepOutput]] = {}
         self._acks: dict[str, asyncio.Future[list | None]] = {}
-        self._rates: dict[int, asyncio.Future[float | None]] = {}
-        self._rate_ids = itertools.count()
+        self._asks: dict[int, asyncio.Future[Any]] = {}  # rate-limit and stats questions to the core
+        self._ask_ids = itertools.count()
         self._reader: asyncio.Task[None] | None = None
         self.engine_stats: dict[str, Any] | None = None  # the core's latest EngineSnapshot, as a dict
         self.engine_stats_at: float | None = None  # monotonic time it came
@@ -101,15 +101,25 @@ class RemoteEngineClient:
             log.warning("abort not sent %s", fields(rid=request_id, error=str(e)))
 
     async def rate_limit(self, key: str, rps: float, burst: int) -> float | None:
-        self._ensure_reader()
-        q = next(self._rate_ids)
-        fut = self._rates[q] = asyncio.get_running_loop().create_future()
+        return await self._ask({"t": "rate", "key": key, "rps": rps, "burst": burst})
+
+    async def fresh_stats(self, timeout: float = 1.0) -> dict[str, Any] | None:
+        """The engine's numbers as of now (for a /metrics scrape); the last ones if the core is slow."""
         try:
-            self._push.send(ipc.pack({"t": "rate", "w": self.worker, "q": q, "key": key, "rps": rps, "burst": burst}),
-                            zmq.NOBLOCK)
+            await asyncio.wait_for(self._ask({"t": "stats"}), timeout)
+        except TimeoutError:
+            pass
+        return self.engine_stats
+
+    async def _ask(self, message: dict[str, Any]) -> Any:
+        self._ensure_reader()
+        q = next(self._ask_ids)
+        fut = self._asks[q] = asyncio.get_running_loop().create_future()
+        try:
+            self._push.send(ipc.pack({**message, "w": self.worker, "q": q}), zmq.NOBLOCK)
             return await fut
         finally:
-            self._rates.pop(q, None)
+            self._asks.pop(q, None)
 
     # ---- the core's messages
 
@@ -136,13 +146,17 @@ class RemoteEngineClient:
                 elif kind == "stats":
                     self.engine_stats, self.engine_alive = msg["s"], msg["alive"]
                     self.engine_stats_at = time.monotonic()
+                    self._answer(msg["q"], msg["s"])
                 elif kind == "rate":
-                    if (fut := self._rates.get(msg["q"])) is not None and not fut.done():
-                        fut.set_result(msg["wait"])
+                    self._answer(msg["q"], msg["wait"])
             except asyncio.CancelledError:
                 raise
             except Exception:  # a bad message must not end every stream of this worker
                 log.exception("engine message failed")
+
+    def _answer(self, query: int | None, value: Any) -> None:
+        if query is not None and (fut := self._asks.get(query)) is not None and not fut.done():
+            fut.set_result(value)
 
     def close(self) -> None:
         if self._reader is not None:

@@ -147,6 +147,8 @@ class Worker:
             if lookup(req.header("authorization"), {k.sha256: k for k in auth.keys}) is None:
                 raise WireError(401 if auth.metrics_requires_key else 403,
                                 "/metrics is served to loopback clients or with an API key.", code="forbidden")
+        if (fresh := getattr(self.engine, "fresh_stats", None)) is not None:
+            await fresh()  # the engine's counters as of this scrape, not up to half a second old
         req.respond(200, self.metrics.render(), "text/plain; version=0.0.4; charset=utf-8")
 
     async def readyz_route(self, req: Any) -> None:
