@@ -42,6 +42,7 @@ CONFIG_POLL_S = 2.0  # how often the config file's mtime is checked for edits
 STALL_S = 20.0  # a child without a heartbeat for this long: withhold watchdog pings
 RESTART_BACKOFF_S = (0.0, 0.5, 1.0, 2.0, 5.0)  # between restarts of a worker that keeps dying
 CORE_STOP_S = 15.0
+APPLY_TIMEOUT_S = 10.0  # a reload waits this long for every process to apply it before READY
 
 
 @dataclass
@@ -54,6 +55,7 @@ class Child:
     ready: asyncio.Future
     last_beat: float = field(default_factory=time.monotonic)
     restarts: int = 0
+    applied: asyncio.Future | None = None  # the config generation being applied; set when it acks
 
     def send(self, *message: Any) -> None:
         try:
@@ -150,6 +152,8 @@ class Daemon:
             child.ready.set_result(args[0] if args else None)
         elif kind == "failed" and not child.ready.done():
             child.ready.set_exception(RuntimeError(args[0]))
+        elif kind == "applied" and child.applied is not None and not child.applied.done():
+            child.applied.set_result(args[0] if args else None)
 
     def _forget(self, child: Child) -> None:
         loop = asyncio.get_running_loop()
@@ -330,8 +334,18 @@ class Daemon:
         self.config = new
         self.metrics.reloads.labels("applied").inc()
         setup_logging(new.logging.level)
-        for child in self.children():
+        # READY once every process applied it: a request after `systemctl reload` returns sees the new config.
+        loop = asyncio.get_running_loop()
+        children = self.children()
+        for child in children:
+            child.applied = loop.create_future()
             child.send("config", new)
+        waits = [c.applied for c in children if c.applied is not None]
+        done, pending = await asyncio.wait(waits, timeout=APPLY_TIMEOUT_S) if waits else (set(), set())
+        if pending:
+            log.warning("config not yet applied everywhere %s", fields(
+                processes=",".join(c.name for c in children if c.applied in pending), timeout_s=APPLY_TIMEOUT_S))
+        log.info("config applied %s", fields(processes=len(done), reason=reason))
         self.notifier.ready(self._status())
 
 

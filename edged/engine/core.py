@@ -269,8 +269,17 @@ class EngineCore:
             new: Config = args[0]
             self.config = new
             setup_logging(new.logging.level)
-            self.engine.call(lambda: self._apply_scheduler_config(new))
-            log.info("config applied %s", fields(process="core"))
+            applied = threading.Event()
+
+            def apply() -> None:
+                try:
+                    self._apply_scheduler_config(new)
+                finally:
+                    applied.set()
+
+            self.engine.call(apply)
+            applied.wait(5.0)  # between two steps: at most a step's time
+            self.control.send(("applied",))
         elif kind == "worker_gone":
             suffix = "@" + args[0]
             self.engine.call(lambda: self.engine.cancel_matching(lambda rid: rid.endswith(suffix)))

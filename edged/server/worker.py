@@ -174,18 +174,21 @@ class Worker:
     def _control_message(self, message: tuple) -> None:
         kind, *args = message
         if kind == "config":
-            self.apply_config(args[0])
+            asyncio.ensure_future(self._apply_and_ack(args[0]))
         elif kind == "drain":
             self._drain_timeout = args[0] if args else None
             self._drain.set()
 
-    def apply_config(self, new: Config) -> None:
+    async def _apply_and_ack(self, new: Config) -> None:
+        await self.apply_config(new)
+        self.control.send(("applied",))
+
+    async def apply_config(self, new: Config) -> None:
         self.config = new
         setup_logging(new.logging.level)
         if self.result_cache is not None:
-            c = new.cache  # off the loop: it may evict from the file
-            asyncio.get_running_loop().run_in_executor(None, self.result_cache.reconfigure, c.max_bytes, c.ttl_s,
-                                                       c.enabled)
+            c = new.cache  # off the loop: it may open, expire and evict in the file
+            await asyncio.to_thread(self.result_cache.reconfigure, c.max_bytes, c.ttl_s, c.enabled)
         if self.server is not None:
             self.server.settings = server_settings(new, self.name)
         log.debug("config applied %s", fields(worker=self.name))
