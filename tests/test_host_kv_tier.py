@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import random
-from types import SimpleNamespace
 
 import torch
 
@@ -171,11 +170,14 @@ def test_tier_off_behaves_exactly_as_before() -> None:
 
 
 def test_settings_map_the_spill_bytes_and_the_budget() -> None:
-    model = SimpleNamespace(block_size=8, max_num_seqs=4)
-    s = EngineSettings.from_config(model, True, 1 << 20, 4096)
+    from edged.config import parse_config
+    from edged.engine.core import engine_settings
+
+    s = engine_settings(parse_config({"model": {"block_size": 8, "max_num_seqs": 4}, "cache": {"host_spill_bytes": 1 << 20},
+                                      "scheduler": {"transfer_budget_bytes": 4096}}))
     assert (s.block_size, s.max_num_seqs, s.host_spill_bytes, s.transfer_budget_bytes) == (8, 4, 1 << 20, 4096)
-    assert (EngineSettings.from_config(model).host_spill_bytes, EngineSettings.from_config(model).transfer_budget_bytes) \
-        == (0, None)
+    d = engine_settings(parse_config({}))
+    assert (d.host_spill_bytes, d.transfer_budget_bytes, d.prefix_caching) == (0, None, True)
     kv = KVCache.allocate(1, 4, BS, 1, 2, torch.float32, "cpu")
     tier = host_tier(EngineSettings(host_spill_bytes=10 * kv.bytes_per_block() + 1), kv)
     assert tier is not None and tier.capacity == 10 and not tier.pinned

@@ -10,6 +10,7 @@ import random
 import pytest
 
 from edged.engine.async_engine import AsyncEngine
+from helpers.char_tokenizer import CharTokenizer
 from edged.engine.request import GenerationRequest, SamplingParams, StepOutput
 from edged.engine.text_stream import StopStringFilter
 
@@ -80,21 +81,6 @@ def test_random_texts_and_chunkings_give_the_text_before_the_first_stop(seed: in
 
 # ------------------------------------------------------------------------------- in AsyncEngine
 
-class CharTokenizer:
-    """One token per character (id = code point), with the incremental detokenizer's API."""
-
-    def encode(self, text: str) -> list[int]:
-        return [ord(c) for c in text]
-
-    def detokenizer(self):
-        class Detok:
-            def add(self, ids: list[int]) -> str:
-                return "".join(chr(i) for i in ids)
-
-            def flush(self) -> str:
-                return ""
-
-        return Detok()
 
 
 class ScriptedEngine:

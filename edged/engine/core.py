@@ -132,7 +132,7 @@ class EngineCore:
 
         from edged.scheduler.topology import plan
 
-        topo, limits = plan(device_index=torch.cuda.current_device(), batch_cap_override=config.scheduler.batch_cap)
+        topo, limits = plan(device_index=torch.cuda.current_device())  # the config's cap applies in batch_limits
         self.topology_cap = limits.batch_cap
         self.transfer_budget = limits.step_transfer_budget_bytes
         if config.scheduler.pin_threads:

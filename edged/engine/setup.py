@@ -45,14 +45,6 @@ class EngineSettings:
     host_spill_bytes: int = 0  # host tier for evicted prefix blocks (pinned on CUDA); 0: off
     transfer_budget_bytes: int | None = None  # host -> device restore bytes per step; None: unlimited
 
-    @classmethod
-    def from_config(cls, model_section: object, prefix_caching: bool = True, host_spill_bytes: int = 0,
-                    transfer_budget_bytes: int | None = None) -> "EngineSettings":
-        given = ("prefix_caching", "host_spill_bytes", "transfer_budget_bytes")
-        names = [n for n in cls.__slots__ if n not in given and hasattr(model_section, n)]
-        return cls(**{n: getattr(model_section, n) for n in names}, prefix_caching=prefix_caching,
-                   host_spill_bytes=host_spill_bytes, transfer_budget_bytes=transfer_budget_bytes)
-
 
 def resolve_device(name: str) -> torch.device:
     if name == "auto":

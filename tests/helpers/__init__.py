@@ -1,7 +1,8 @@
 """Test helpers, imported as `from helpers.<module> import ...` (pytest puts tests/ on sys.path).
 
 daemon        start `edged serve` as a real process; metrics and systemd-notify readers
-fake_engine   a fake engine with AsyncEngine's API and an HTTP/3 server on its own thread
+fake_engine   a fake engine implementing EngineClient, and an HTTP/3 server on its own thread
+char_tokenizer  one token per character, for text-assembly tests
 tiny_engine   a tiny random-weight engine on the CPU with the real engine parts
 sysfs         fake /sys PCI trees for topology tests
 kernel_inputs random kernel inputs (quantized weights, a paged KV cache) on any device

@@ -84,6 +84,9 @@ class FakeEngine:
     def encode(self, text: str) -> list[int]:
         return [ord(c) for c in text]
 
+    def encode_with_special_tokens(self, text: str) -> list[int]:
+        return self.encode(text)
+
     def decode(self, ids: list[int]) -> str:
         return "".join(chr(i) for i in ids)
 
