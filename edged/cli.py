@@ -106,6 +106,13 @@ def build_parser() -> argparse.ArgumentParser:
                     "percentiles, and each daemon process's CPU use. Stops the daemon with SIGTERM at the end.")
     from edged.bench.transport import add_arguments as add_transport_arguments
     add_transport_arguments(trn)
+    eng = bench_sub.add_parser(
+        "engine", help="the engine alone under a closed loop of requests (prefill + decode), no HTTP",
+        description="Run CONCURRENCY requests at a time through the engine in this process, each finished one "
+                    "replaced at once (the load `bench serve --concurrency` puts on the daemon), and print tok/s "
+                    "and engine-side TTFT: the ceiling for what the daemon can deliver at that concurrency.")
+    from edged.bench.engine_loop import add_arguments as add_engine_loop_arguments
+    add_engine_loop_arguments(eng)
     return parser
 
 

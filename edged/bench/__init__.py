@@ -1,4 +1,4 @@
-"""`edged bench decode | kernels | serve | transport | accuracy`: each kind in its own module, imported when run."""
+"""`edged bench decode | engine | kernels | serve | transport | accuracy`: each kind in its own module, imported when run."""
 from __future__ import annotations
 
 import argparse
@@ -18,6 +18,10 @@ def run_bench_command(args: argparse.Namespace) -> int:
         from edged.bench.decode import run_decode_bench
 
         return run_decode_bench(args)
+    if args.bench == "engine":
+        from edged.bench.engine_loop import run_engine_loop_command
+
+        return run_engine_loop_command(args)
     if args.bench == "kernels":
         from edged.bench.kernels import run_kernels_bench
 
