@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import multiprocessing
 import os
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -202,14 +203,18 @@ async def _serve(conn: Connection, load: ClientLoad) -> None:
     loop = asyncio.get_running_loop()
     inbox: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
 
-    def readable() -> None:
-        try:
-            inbox.put_nowait(conn.recv())
-        except (EOFError, OSError):  # the benchmark is gone
-            loop.remove_reader(conn.fileno())
-            inbox.put_nowait(("stop", None))
+    def read() -> None:  # a thread: uvloop's add_reader missed pipe data now and then (see edged/daemon.py)
+        while True:
+            try:
+                message = conn.recv()
+            except (EOFError, OSError):  # the benchmark is gone
+                loop.call_soon_threadsafe(inbox.put_nowait, ("stop", None))
+                return
+            loop.call_soon_threadsafe(inbox.put_nowait, message)
+            if message[0] == "stop":
+                return
 
-    loop.add_reader(conn.fileno(), readable)
+    threading.Thread(target=read, name="bench-control", daemon=True).start()
     share: Share | None = None
     try:
         while True:
@@ -232,8 +237,4 @@ async def _serve(conn: Connection, load: ClientLoad) -> None:
                 conn.send(("error", traceback.format_exc()))
     finally:
         await load.close()
-        try:
-            loop.remove_reader(conn.fileno())
-        except (OSError, ValueError):
-            pass
 
