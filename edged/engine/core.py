@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ from .request import GenerationRequest, SamplingParams, StepOutput
 
 log = logging.getLogger("edged.core")
 
+GIL_SWITCH_S = 0.0005
 HEARTBEAT_S = 0.5  # heartbeats to the supervisor and engine metrics, this often
 ENGINE_STALL_S = 20.0  # no engine-loop iteration for this long: stop sending heartbeats
 
@@ -307,6 +309,9 @@ def run_engine_core(config: Config, run_dir: str, workers: list[str], control: C
 
     child_setup("core", config.logging.level)
     register_process(run_dir, "core")
+    # The main thread answers the workers while the engine thread runs Python between kernel
+    # launches: a request's admission must not wait out the default 5 ms GIL switch interval.
+    sys.setswitchinterval(GIL_SWITCH_S)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the supervisor stops the core after the workers drained
     core = EngineCore(config, run_dir, control, workers)
     try:

@@ -12,8 +12,9 @@ import logging
 import time
 from typing import Any
 
+import threading
+
 import zmq
-import zmq.asyncio
 
 from edged.log import fields
 
@@ -37,8 +38,7 @@ class RemoteEngineClient:
         self._push.setsockopt(zmq.SNDHWM, 0)
         self._push.setsockopt(zmq.LINGER, 1000)
         self._push.connect(ipc.address(run_dir, ipc.CORE_IN))
-        self._async = zmq.asyncio.Context()
-        self._dealer = self._async.socket(zmq.DEALER)
+        self._dealer = self._sync.socket(zmq.DEALER)  # read on its own thread (see _read)
         self._dealer.setsockopt(zmq.IDENTITY, worker.encode())
         self._dealer.setsockopt(zmq.RCVHWM, 0)
         self._dealer.setsockopt(zmq.LINGER, 0)
@@ -47,7 +47,8 @@ class RemoteEngineClient:
         self._acks: dict[str, asyncio.Future[list | None]] = {}
         self._asks: dict[int, asyncio.Future[Any]] = {}  # rate-limit and stats questions to the core
         self._ask_ids = itertools.count()
-        self._reader: asyncio.Task[None] | None = None
+        self._reader: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.engine_stats: dict[str, Any] | None = None  # the core's latest EngineSnapshot, as a dict
         self.engine_stats_at: float | None = None  # monotonic time it came
         self.engine_alive = False  # the core's engine loop makes progress (as of engine_stats_at)
@@ -129,39 +130,53 @@ class RemoteEngineClient:
 
     def _ensure_reader(self) -> None:
         if self._reader is None:
-            self._reader = asyncio.get_running_loop().create_task(self._read())
+            self._loop = asyncio.get_running_loop()
+            self._reader = threading.Thread(target=self._read, name="engine-reader", daemon=True)
+            self._reader.start()
 
-    async def _read(self) -> None:
+    def _read(self) -> None:
+        """A thread blocked on the socket hands each message (one per engine step) to the event loop:
+        one wake-up per message, with no dependence on the loop polling ZeroMQ's edge-triggered fd."""
+        assert self._loop is not None
         while True:
             try:
-                msg = ipc.unpack(await self._dealer.recv())
-                kind = msg["t"]
-                if kind == "out":
-                    for rid, ids, reason, error in msg["o"]:
-                        if (queue := self._queues.get(rid)) is not None:
-                            queue.put_nowait(StepOutput(rid, ids, reason is not None, reason, error))
-                elif kind == "ack":
-                    if (fut := self._acks.pop(msg["id"], None)) is not None and not fut.done():
-                        fut.set_result(msg["err"])
-                elif kind == "stats":
-                    self.engine_stats, self.engine_alive = msg["s"], msg["alive"]
-                    self.engine_stats_at = time.monotonic()
-                    self._answer(msg["q"], msg["s"])
-                elif kind == "rate":
-                    self._answer(msg["q"], msg["wait"])
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # a bad message must not end every stream of this worker
-                log.exception("engine message failed")
+                data = self._dealer.recv()
+            except zmq.ContextTerminated:  # close(): this thread owns the socket, so it closes it
+                self._dealer.close(0)
+                return
+            except zmq.ZMQError as e:
+                log.warning("engine socket failed %s", fields(worker=self.worker, error=str(e)))
+                return
+            try:
+                self._loop.call_soon_threadsafe(self._dispatch, ipc.unpack(data))
+            except RuntimeError:  # the loop is closed: the worker is stopping
+                return
+
+    def _dispatch(self, msg: dict[str, Any]) -> None:
+        try:
+            kind = msg["t"]
+            if kind == "out":
+                for rid, ids, reason, error in msg["o"]:
+                    if (queue := self._queues.get(rid)) is not None:
+                        queue.put_nowait(StepOutput(rid, ids, reason is not None, reason, error))
+            elif kind == "ack":
+                if (fut := self._acks.pop(msg["id"], None)) is not None and not fut.done():
+                    fut.set_result(msg["err"])
+            elif kind == "stats":
+                self.engine_stats, self.engine_alive = msg["s"], msg["alive"]
+                self.engine_stats_at = time.monotonic()
+                self._answer(msg["q"], msg["s"])
+            elif kind == "rate":
+                self._answer(msg["q"], msg["wait"])
+        except Exception:  # a bad message must not end every stream of this worker
+            log.exception("engine message failed")
 
     def _answer(self, query: int | None, value: Any) -> None:
         if query is not None and (fut := self._asks.get(query)) is not None and not fut.done():
             fut.set_result(value)
 
     def close(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
-        self._dealer.close(0)
         self._push.close()
-        self._async.term()
-        self._sync.term()
+        if self._reader is None:
+            self._dealer.close(0)
+        self._sync.term()  # a reader blocked in recv() sees ContextTerminated and closes the dealer
