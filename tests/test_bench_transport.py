@@ -89,7 +89,7 @@ def test_the_table_has_a_row_per_concurrency_and_a_cpu_column_per_process_seen()
     rows = [line.split() for line in lines[2:4]]
     assert [r[0] for r in rows] == ["1", "8"]
     assert rows[0][-3:] == ["10", "50", "-"] and rows[1][-3:] == ["10", "-", "20"]
-    assert rows[1][12] == "30"  # the busiest client
+    assert rows[1][12:14] == ["-", "-"] and rows[1][14] == "30"  # no handshake probe; the busiest client
     assert any("spawn child[12]: python -c spawn" in line for line in lines)
 
 
@@ -103,7 +103,7 @@ def test_bench_transport_runs_a_real_daemon_and_prints_a_row_per_concurrency(tmp
 
     out_json = tmp_path / "t.json"
     assert main(["bench", "transport", "--concurrency", "1,4", "--rounds", "2", "--max-tokens", "8",
-                 "--clients", "2", "--workers", "2", "--json", str(out_json)]) == 0
+                 "--clients", "2", "--workers", "2", "--probe-handshakes", "--json", str(out_json)]) == 0
     out = capsys.readouterr().out
     lines = out.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("concurrency"))
@@ -126,4 +126,6 @@ def test_bench_transport_runs_a_real_daemon_and_prints_a_row_per_concurrency(tmp
         assert p["processes"] and sum(q["cpu_pct"] for q in p["processes"]) == pytest.approx(p["daemon_cpu_pct"],
                                                                                             abs=0.5)
         assert p["daemon_cpu_pct"] > 0
+        probe = p["handshake_under_load_ms"]  # fresh connections while the phase ran
+        assert probe["n"] >= 1 and 0 < probe["p50"] <= probe["p99"]
     assert len(phases[1]["client_cpu_pct"]) == 2  # concurrency 4 over two client processes

@@ -207,7 +207,11 @@ def format_phase(phase: dict[str, Any]) -> str:
     if phase.get("client_cpu_pct"):
         cpu = phase["client_cpu_pct"]
         title += f"; {len(cpu)} client process{'es' if len(cpu) > 1 else ''}, busiest at {max(cpu):.0f}% of a core"
-    return "\n".join([title, _table(head, rows), "", _table(lat_head, lat_rows, left=2)])
+    lines = [title, _table(head, rows), "", _table(lat_head, lat_rows, left=2)]
+    if (probe := phase.get("handshake_under_load")) is not None:
+        lines.append(f"handshakes of fresh connections during the phase: p50 {_fmt(probe['p50'], 2)} ms, "
+                     f"p99 {_fmt(probe['p99'], 2)} ms, n {probe['n']}")
+    return "\n".join(lines)
 
 
 def format_report(report: dict[str, Any]) -> str:

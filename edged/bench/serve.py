@@ -32,8 +32,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from edged.bench.clients import default_clients, open_clients, split_phase
+from edged.bench.handshake_probe import probe_handshakes
 from edged.bench.load import DEFAULT_TIMEOUT_S, STREAMS_PER_CONNECTION, ClientSettings, WorkItem
-from edged.bench.report import format_phase, load_label, summarize_phase, write_json, write_plot
+from edged.bench.report import format_phase, latency_summary, load_label, summarize_phase, write_json, write_plot
 
 _WORDS = (
     "the quick brown fox jumps over a lazy dog while river stones glitter under morning light and "
@@ -68,6 +69,7 @@ class BenchConfig:
     streams_per_connection: int = STREAMS_PER_CONNECTION
     clients: int = 1  # client processes; 1: this process's event loop
     requests_per_stream: int | None = None  # closed loop: requests = this x concurrency (else `requests`)
+    probe_handshakes: bool = False  # also time fresh connections' handshakes while each phase runs
 
     def client_settings(self) -> ClientSettings:
         return ClientSettings(self.host, self.port, self.ca_file, self.insecure, self.model, self.timeout_s,
@@ -158,6 +160,9 @@ def add_client_arguments(p: argparse.ArgumentParser, streams_per_connection: int
     p.add_argument("--clients", type=int, default=default_clients(),
                    help="client processes that drive the load, each with its own connections and an even share "
                         "of each phase; 1 runs it in this process (default: half the cores, 1 to 8: %(default)s)")
+    p.add_argument("--probe-handshakes", action="store_true",
+                   help="while each phase runs, also open fresh connections one after another from this process "
+                        "and report their QUIC handshake p50/p99 under load")
     p.add_argument("--streams-per-connection", type=int, default=streams_per_connection,
                    help="requests in flight per QUIC connection before a client opens another; more "
                         "connections spread over more of the daemon's worker processes (default: %(default)s)")
@@ -167,6 +172,7 @@ def clients_from_args(args: argparse.Namespace, cfg: BenchConfig) -> None:
     """--clients and --streams-per-connection into cfg (ValueError with the flag and the reason)."""
     clients, spc = getattr(args, "clients", None), getattr(args, "streams_per_connection", None)
     cfg.clients = 1 if clients is None else int(clients)
+    cfg.probe_handshakes = bool(getattr(args, "probe_handshakes", False))
     cfg.streams_per_connection = STREAMS_PER_CONNECTION if spc is None else int(spc)
     if not 1 <= cfg.clients <= 64:
         raise ValueError(f"--clients: must be 1 to 64, got {cfg.clients}")
@@ -308,9 +314,15 @@ async def run_bench(cfg: BenchConfig, progress: Callable[[str], None] | None = N
                          f"client{'s' if len(shares) > 1 else ''}")
             if before_phase:
                 before_phase(load)
+            stop = asyncio.Event()
+            probe = asyncio.create_task(probe_handshakes(cfg.host, cfg.port, cfg.ca_file, cfg.insecure, stop)) \
+                if cfg.probe_handshakes else None
             run = await clients.run()
+            stop.set()
             phases.append(summarize_phase(run.results, run.duration_s, cfg.targets_ms, load, tier_order=cfg.tier_mix,
                                           handshakes=run.handshakes, client_cpu_s=run.client_cpu_s))
+            if probe is not None:
+                phases[-1]["handshake_under_load"] = latency_summary(await probe)
             if on_phase:
                 on_phase(phases[-1])
     finally:

@@ -28,6 +28,7 @@ def phase_record(phase: dict[str, Any], processes: list[ProcessCpu]) -> dict[str
         "ttft_ms": a["ttft"],
         "itl_ms": a["itl"],
         "handshake_ms": phase["handshake"],
+        "handshake_under_load_ms": phase.get("handshake_under_load"),
         "client_cpu_pct": phase["client_cpu_pct"],
         "daemon_cpu_pct": round(sum(p.cpu_pct for p in processes), 1),
         "processes": [asdict(p) for p in processes],
@@ -46,19 +47,22 @@ def format_table(records: list[dict[str, Any]]) -> str:
         for p in r["processes"]:
             procs.setdefault(p["pid"], p)
     head = ["concurrency", "requests", "ok", "err", "events/s", "tok/s", "TTFT p50", "TTFT p99", "ITL p50",
-            "ITL p99", "handshake p50", "handshake p99", "client CPU%", "daemon CPU%",
+            "ITL p99", "handshake p50", "handshake p99", "probe hs p50", "probe hs p99", "client CPU%", "daemon CPU%",
             *(f"{_column(p)} %" for p in procs.values())]
     rows = []
     for r in records:
         cpu = {p["pid"]: p["cpu_pct"] for p in r["processes"]}
         refused = sum(r["rejected"].values())
+        probe = r.get("handshake_under_load_ms") or {}
         rows.append([str(r["concurrency"]), str(r["requests"]), str(r["completed"]), str(r["errors"] + refused),
                      _fmt(r["token_events_per_s"], 1), _fmt(r["tokens_per_s"], 1),
                      _fmt(r["ttft_ms"]["p50"], 1), _fmt(r["ttft_ms"]["p99"], 1),
                      _fmt(r["itl_ms"]["p50"], 2), _fmt(r["itl_ms"]["p99"], 2),
                      _fmt(r["handshake_ms"]["p50"], 1), _fmt(r["handshake_ms"]["p99"], 1),
+                     _fmt(probe.get("p50"), 1), _fmt(probe.get("p99"), 1),
                      _fmt(max(r["client_cpu_pct"], default=None), 0), _fmt(r["daemon_cpu_pct"], 0),
                      *(_fmt(cpu.get(pid), 0) for pid in procs)])
     legend = [f"  {_column(p)}: {p['cmdline'][:160] or '?'}" for p in procs.values()]
     return "\n".join([_table(head, rows, left=0), "",
-                      "times in ms; CPU in % of one core (client: the busiest client process); processes:", *legend])
+                      "times in ms; probe hs: handshakes of fresh connections made during the phase (--probe-handshakes); "
+                      "CPU in % of one core (client: the busiest client process); processes:", *legend])

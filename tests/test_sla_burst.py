@@ -1,0 +1,132 @@
+"""The SLA under a burst, on the real daemon with the shipped defaults (issue 14).
+
+96 bronze streams (64 tokens each) arrive at once, then 8 gold streams (16 tokens) one every 0.4 s.
+Every threshold is relative to a solo gold run measured in the same test on the same daemon, so the
+test holds on any machine: gold's time to first token and time per output token stay within 2x of
+solo, bronze requests that cannot meet their own target are refused (429 with Retry-After) rather
+than served late, and every admitted request completes.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from edged.server.h3_client import H3Client, HTTPError
+from helpers.daemon import DaemonProcess, start_daemon
+
+pytestmark = pytest.mark.slow
+
+BRONZE, BRONZE_TOKENS = 96, 64
+GOLD, GOLD_TOKENS, GOLD_GAP_S = 8, 16, 0.4
+WORDS = ["river", "mountain", "lantern", "harbor", "meadow", "comet", "violin", "desert", "forest", "glacier",
+         "island", "canyon"]
+
+
+@dataclass
+class Result:
+    tier: str
+    status: int
+    ttft_s: float | None = None
+    tpot_s: float | None = None  # (last token - first token) / (tokens - 1)
+    tokens: int = 0
+    done: bool = False
+    retry_after: str | None = None
+
+
+def body(prompt: str, max_tokens: int) -> bytes:
+    return json.dumps({"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+                       "temperature": 0, "stream": True, "ignore_eos": True}).encode()
+
+
+async def one(d: DaemonProcess, tier: str, prompt: str, max_tokens: int) -> Result:
+    """One streamed chat on its own connection, timed from the moment it is sent."""
+    async with H3Client(d.host, d.port, ca_file=d.ca_file, idle_timeout=120.0) as c:
+        t0 = time.monotonic()
+        try:
+            rs = await c.stream("POST", "/v1/chat/completions",
+                                {"content-type": "application/json", "x-edged-tier": tier}, body(prompt, max_tokens))
+        except HTTPError as e:
+            return Result(tier, e.status)
+        if rs.status != 200:
+            raw = b"".join([chunk async for chunk in rs])
+            return Result(tier, rs.status, retry_after=rs.headers.get("retry-after"))
+        first = last = None
+        tokens, done, buf = 0, False, b""
+        async for chunk in rs:
+            buf += chunk
+            while b"\n\n" in buf:
+                event, buf = buf.split(b"\n\n", 1)
+                line = event.decode().strip()
+                if line == "data: [DONE]":
+                    done = True
+                elif line.startswith("data: "):
+                    for choice in json.loads(line[6:]).get("choices", []):
+                        if choice.get("delta", {}).get("content"):
+                            now = time.monotonic()
+                            first = first if first is not None else now
+                            last = now
+                            tokens += 1
+        r = Result(tier, 200, tokens=tokens, done=done)
+        if first is not None:
+            r.ttft_s = first - t0
+            if tokens > 1 and last is not None:
+                r.tpot_s = (last - first) / (tokens - 1)
+        return r
+
+
+def p90(values: list[float]) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(0.9 * len(values)))]
+
+
+async def solo_gold(d: DaemonProcess, n: int = 3) -> list[Result]:
+    return [await one(d, "gold", f"Solo {i}: describe a {WORDS[i]} in one line.", GOLD_TOKENS) for i in range(n)]
+
+
+async def burst(d: DaemonProcess) -> tuple[list[Result], list[Result]]:
+    bronze = [asyncio.create_task(one(d, "bronze", f"Story {i}: tell me about a {WORDS[i % len(WORDS)]} "
+                                                   f"number {i}.", BRONZE_TOKENS)) for i in range(BRONZE)]
+    gold = []
+    await asyncio.sleep(1.0)  # the bronze burst is in the engine
+    for i in range(GOLD):
+        gold.append(asyncio.create_task(one(d, "gold", f"Gold {i}: name a {WORDS[i]} fact.", GOLD_TOKENS)))
+        await asyncio.sleep(GOLD_GAP_S)
+    return await asyncio.gather(*bronze), await asyncio.gather(*gold)
+
+
+def test_a_bronze_burst_does_not_slow_gold_and_is_refused_rather_than_served_late(tmp_path: Path) -> None:
+    d = start_daemon(tmp_path)  # no config file: the shipped defaults (config.yaml)
+    try:
+        solo = asyncio.run(solo_gold(d))
+        bronze, gold = asyncio.run(burst(d))
+    finally:
+        d.stop()
+    assert all(r.status == 200 and r.done for r in solo)
+    solo_ttft = statistics.median(r.ttft_s for r in solo)
+    solo_tpot = statistics.median(r.tpot_s for r in solo)
+    admitted = [r for r in bronze if r.status == 200]
+    refused = [r for r in bronze if r.status != 200]
+    gold_ttft = [r.ttft_s for r in gold if r.ttft_s is not None]
+    gold_tpot = [r.tpot_s for r in gold if r.tpot_s is not None]
+    print(f"\nsolo gold: ttft {solo_ttft:.3f} s, tpot {solo_tpot:.3f} s; "
+          f"burst gold: ttft p90 {p90(gold_ttft):.3f} s (all {sorted(round(t, 2) for t in gold_ttft)}), "
+          f"tpot p50 {statistics.median(gold_tpot):.3f} s; bronze admitted {len(admitted)}, refused "
+          f"{len(refused)} {sorted({r.status for r in refused})}, bronze ttft max "
+          f"{max((r.ttft_s or 0) for r in admitted):.2f} s")
+    print([(r.status, r.tokens, r.done) for r in gold])
+    # Every admitted request completes; gold is never refused.
+    assert all(r.status == 200 and r.done and r.tokens == GOLD_TOKENS for r in gold)
+    assert all(r.done and r.tokens == BRONZE_TOKENS for r in admitted)
+    # Gold keeps its pace and its first token within 2x of solo.
+    assert p90(gold_ttft) <= 2 * solo_ttft
+    assert statistics.median(gold_tpot) <= 2 * solo_tpot
+    # Bronze that could not meet its own target was refused with 429 and Retry-After, not served late.
+    assert refused, "a burst beyond bronze's target must be refused"
+    assert all(r.status == 429 and r.retry_after for r in refused)
+    assert admitted
