@@ -13,7 +13,7 @@ from edged.models.chat_template import ChatTemplate
 from edged.models.tokenizer import Tokenizer
 from edged.scheduler.rate_limit import RateLimiter, RatePolicy
 
-from .client import DeltaStream, TextDelta
+from .client import DeltaStream, PromptEncoding, TextDelta
 from .llm_engine import LLMEngine
 from .request import GenerationRequest, StepOutput
 
@@ -22,7 +22,7 @@ log = logging.getLogger("edged.engine")
 __all__ = ["AsyncEngine", "TextDelta"]
 
 
-class AsyncEngine:
+class AsyncEngine(PromptEncoding):
     def __init__(self, engine: LLMEngine, tokenizer: Tokenizer, chat_template: ChatTemplate, model_id: str,
                  max_model_len: int) -> None:
         self.engine = engine
@@ -35,6 +35,7 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._limiter = RateLimiter()
         engine.on_outputs = self._from_engine_thread
+
     def start(self, on_thread_start: Callable[[], None] | None = None) -> None:
         """Bind to the running event loop and start the engine thread (on_thread_start runs on it)."""
         self._loop = asyncio.get_running_loop()
@@ -60,20 +61,6 @@ class AsyncEngine:
     def vocab_size(self) -> int:
         """Rows of the embedding: every token id that reaches the model must be below this."""
         return self.engine.vocab_size
-
-    def encode(self, text: str) -> list[int]:
-        """A client's text: special-token strings in it are plain text, never control tokens."""
-        return self.tokenizer.encode_plain(text)
-
-    def encode_with_special_tokens(self, text: str) -> list[int]:
-        """A trusted client's text, in which special-token strings are the control tokens."""
-        return self.tokenizer.encode(text)
-
-    def render_chat(self, messages: list[dict]) -> list[int]:
-        """Apply the model's chat template (ValueError on malformed messages) and tokenize; only the
-        template's own markup yields control tokens, message content is plain text."""
-        pieces = self.chat_template.render_pieces(messages, self.tokenizer.special_token_pattern)
-        return self.tokenizer.encode_markup(pieces)
 
     def cancel(self, request_id: str) -> None:
         self.engine.cancel(request_id)

@@ -42,6 +42,27 @@ class EngineRefused(Exception):
         self.retry_after = retry_after
 
 
+class PromptEncoding:
+    """Tokenization as every engine front does it (expects `tokenizer` and `chat_template`)."""
+
+    tokenizer: Any
+    chat_template: Any
+
+    def encode(self, text: str) -> list[int]:
+        """A client's text: special-token strings in it are plain text, never control tokens."""
+        return self.tokenizer.encode_plain(text)
+
+    def encode_with_special_tokens(self, text: str) -> list[int]:
+        """A trusted client's text, in which special-token strings are the control tokens."""
+        return self.tokenizer.encode(text)
+
+    def render_chat(self, messages: list[dict]) -> list[int]:
+        """Apply the model's chat template (ValueError on malformed messages) and tokenize; only the
+        template's own markup yields control tokens, message content is plain text."""
+        pieces = self.chat_template.render_pieces(messages, self.tokenizer.special_token_pattern)
+        return self.tokenizer.encode_markup(pieces)
+
+
 @runtime_checkable
 class EngineClient(Protocol):
     model_id: str

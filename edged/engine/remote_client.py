@@ -19,13 +19,13 @@ import zmq
 from edged.log import fields
 
 from . import ipc
-from .client import DeltaStream, EngineRefused
+from .client import DeltaStream, EngineRefused, PromptEncoding
 from .request import GenerationRequest, StepOutput
 
 log = logging.getLogger("edged.engine")
 
 
-class RemoteEngineClient:
+class RemoteEngineClient(PromptEncoding):
     def __init__(self, info: Any, run_dir: str, worker: str) -> None:
         self.model_id: str = info.model_id
         self.max_model_len: int = info.max_model_len
@@ -33,12 +33,12 @@ class RemoteEngineClient:
         self.tokenizer = info.tokenizer
         self.chat_template = info.chat_template
         self.worker = worker
-        self._sync = zmq.Context()
-        self._push = self._sync.socket(zmq.PUSH)  # sends never block the loop: no high-water mark
+        self._context = zmq.Context()
+        self._push = self._context.socket(zmq.PUSH)  # sends never block the loop: no high-water mark
         self._push.setsockopt(zmq.SNDHWM, 0)
         self._push.setsockopt(zmq.LINGER, 1000)
         self._push.connect(ipc.address(run_dir, ipc.CORE_IN))
-        self._dealer = self._sync.socket(zmq.DEALER)  # read on its own thread (see _read)
+        self._dealer = self._context.socket(zmq.DEALER)  # read on its own thread (see _read)
         self._dealer.setsockopt(zmq.IDENTITY, worker.encode())
         self._dealer.setsockopt(zmq.RCVHWM, 0)
         self._dealer.setsockopt(zmq.LINGER, 0)
@@ -62,16 +62,6 @@ class RemoteEngineClient:
     @property
     def active_requests(self) -> int:
         return len(self._queues)
-
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode_plain(text)
-
-    def encode_with_special_tokens(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text)
-
-    def render_chat(self, messages: list[dict]) -> list[int]:
-        pieces = self.chat_template.render_pieces(messages, self.tokenizer.special_token_pattern)
-        return self.tokenizer.encode_markup(pieces)
 
     async def submit(self, request: GenerationRequest) -> DeltaStream:
         self._ensure_reader()
@@ -179,4 +169,4 @@ class RemoteEngineClient:
         self._push.close()
         if self._reader is None:
             self._dealer.close(0)
-        self._sync.term()  # a reader blocked in recv() sees ContextTerminated and closes the dealer
+        self._context.term()  # a reader blocked in recv() sees ContextTerminated and closes the dealer
