@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
-import uuid
 import socket
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from aioquic.asyncio import QuicConnectionProtocol
 from aioquic.asyncio.server import QuicServer
@@ -32,265 +30,66 @@ from aioquic.quic.events import (
 )
 
 from edged.log import fields
-from edged.server import openai_wire as wire
-from edged.server.settings import ApiKeyPolicy, ServerSettings
+from edged.server.request import HttpRequest, RequestHandler, merge_headers
+from edged.server.settings import ServerSettings
+
+if TYPE_CHECKING:
+    from edged.server.tcp_server import TcpListener
 
 __all__ = ["EdgedServer", "RequestHandler", "RequestStream", "serve"]
 
-
-class RequestHandler(Protocol):
-    """What the transport calls; the router (routes.py) implements it. The transport never imports it."""
-
-    settings: ServerSettings
-    draining: bool
-
-    async def handle(self, req: RequestStream) -> None: ...
-
-    def rejected(self, req: RequestStream, err: wire.WireError) -> None: ...
-
 log = logging.getLogger("edged.server")
 
-REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 
-
-class RequestStream:
-    """One request: headers and body in, response out. The route handler only sees this object."""
+class RequestStream(HttpRequest):
+    """One request on one HTTP/3 stream; the transport-neutral part is HttpRequest (request.py)."""
 
     def __init__(self, protocol: HttpServerProtocol, stream_id: int, raw_headers: list[tuple[bytes, bytes]]) -> None:
+        headers, pseudo = merge_headers(raw_headers)
+        super().__init__(protocol.server, protocol._loop, pseudo.get(":method", ""), pseudo.get(":path", ""), headers)
         self.protocol = protocol
         self.stream_id = stream_id
-        self.headers: dict[str, str] = {}
-        pseudo: dict[str, str] = {}
-        for k, v in raw_headers:
-            name = k.decode("latin-1").lower()
-            value = v.decode("latin-1")
-            if name.startswith(":"):
-                pseudo[name] = value
-            elif name in self.headers:
-                self.headers[name] += ", " + value
-            else:
-                self.headers[name] = value
-        self.method = pseudo.get(":method", "")
-        self.path, _, self.query = pseudo.get(":path", "").partition("?")
-        rid = self.headers.get("x-request-id", "")
-        self.request_id = rid if REQUEST_ID_RE.fullmatch(rid) else uuid.uuid4().hex
-        self.body = bytearray()
-        self.api_key: ApiKeyPolicy | None = None  # set by the router when API keys are configured
-        self.status: int | None = None
-        self.headers_sent = False
-        self.finished = False  # the response ended cleanly
-        self.closed = False  # nothing more can be written (finished, reset, or connection gone)
-        self.cancel_reason: str | None = None
-        # what the router fills in for its access log / metrics record
-        self.tier: str | None = None
-        self.outcome: str | None = None
-        self.prompt_tokens = 0
-        self.completion_tokens = 0
-        self.ttft: float | None = None
-        self.cache_hit = False  # answered from the result cache
-        self.response_headers: list[tuple[str, str]] = []  # added to whatever response is sent
-        self.task: asyncio.Task[None] | None = None
-        self.started = protocol._loop.time()
-        self._dispatched = False
-        self._body_timer: asyncio.TimerHandle | None = None
 
-    @property
-    def settings(self) -> ServerSettings:
-        return self.protocol.server.settings
-
-    def header(self, name: str) -> str | None:
-        return self.headers.get(name)
-
-    @property
-    def peer_host(self) -> str | None:
-        """The client's IP address (for loopback-only routes such as /metrics)."""
+    def _peer_address(self) -> str | None:
         try:
-            host = self.protocol._quic._network_paths[0].addr[0]
+            return self.protocol._quic._network_paths[0].addr[0]
         except (AttributeError, IndexError):
             return None
-        return host[7:] if host.startswith("::ffff:") else host
 
-    # ---- request side (called by the protocol)
+    # ---- the HttpRequest hooks, on aioquic's H3Connection
 
-    def on_headers(self, stream_ended: bool) -> None:
-        if not self.method or not self.path.startswith("/"):
-            self._reject(wire.WireError(400, "Missing or malformed :method / :path.", code="invalid_request"))
-            return
-        cl = self.headers.get("content-length", "")
-        if cl.isdigit() and int(cl) > self.settings.max_body_bytes:
-            self._reject(self._too_large(), stop_reading=True)
-            return
-        if stream_ended:
-            self._dispatch()
-        else:
-            self._body_timer = self.protocol._loop.call_later(self.settings.body_timeout_s, self._body_timed_out)
+    def _send_headers(self, status: int, headers: list[tuple[str, str]], end_stream: bool) -> None:
+        h = [(b":status", str(status).encode())]
+        h += [(k.encode("latin-1"), v.encode("latin-1", "replace")) for k, v in headers]
+        self.protocol.http.send_headers(self.stream_id, h, end_stream=end_stream)
 
-    def on_data(self, data: bytes, stream_ended: bool) -> None:
-        if self._dispatched or self.closed:
-            return
-        self.body += data
-        if len(self.body) > self.settings.max_body_bytes:
-            self.body = bytearray()
-            self._reject(self._too_large(), stop_reading=True)
-            return
-        if stream_ended:
-            self._dispatch()
+    def _send_data(self, data: bytes, end_stream: bool) -> None:
+        self.protocol.http.send_data(self.stream_id, data, end_stream=end_stream)
 
-    def on_end(self) -> None:
-        if not self._dispatched and not self.closed:
-            self._dispatch()
-
-    def _too_large(self) -> wire.WireError:
-        return wire.WireError(413, f"The request body exceeds {self.settings.max_body_bytes} bytes.",
-                              code="request_too_large")
-
-    def _body_timed_out(self) -> None:
-        self._body_timer = None
-        if not self._dispatched and not self.closed:
-            self._reject(wire.WireError(408, "Timed out waiting for the request body.", code="request_timeout"),
-                         stop_reading=True)
-
-    def _reject(self, err: wire.WireError, stop_reading: bool = False) -> None:
-        """Answer before any handler ran (bad framing, too large, too slow)."""
-        self._cancel_body_timer()
-        self.respond_error(err)
-        self.protocol.server.router.rejected(self, err)
-        if stop_reading:
-            self.protocol.stop_reading(self.stream_id)
-        self.protocol.forget(self)
-
-    def _dispatch(self) -> None:
-        self._cancel_body_timer()
-        self._dispatched = True
-        server = self.protocol.server
-        self.task = self.protocol._loop.create_task(server.router.handle(self))
-        server._tasks.add(self.task)
-        self.task.add_done_callback(self._task_done)
-        self.protocol.ensure_keepalive()
-
-    def _task_done(self, task: asyncio.Task[None]) -> None:
-        self.protocol.server._tasks.discard(task)
-        self.protocol.forget(self)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("handler crashed %s", fields(rid=self.request_id, error=repr(task.exception())))
-        if not self.closed:  # the handler returned without ending the response: never leave it hanging
-            self.abort()
-
-    def _cancel_body_timer(self) -> None:
-        if self._body_timer is not None:
-            self._body_timer.cancel()
-            self._body_timer = None
-
-    def cancel(self, reason: str) -> None:
-        """The client went away (reset, connection lost) or the server is stopping: stop the handler.
-
-        reason "shutdown" leaves the stream open so the handler can write a final error event.
-        """
-        if self.cancel_reason is not None or self.finished:
-            return
-        self.cancel_reason = reason
-        self._cancel_body_timer()
-        if reason != "shutdown":
-            if not self.closed and reason != "connection_lost":
-                self.protocol.reset_stream(self.stream_id)
-            self.closed = True
-        if self.task is not None and not self.task.done():
-            log.info("request cancelled %s", fields(rid=self.request_id, reason=reason))
-            self.task.cancel()
-        elif not self._dispatched:
-            self.protocol.forget(self)
-
-    # ---- response side (called by the route handler)
-
-    def _base_headers(self, status: int, content_type: str, extra: list[tuple[str, str]]) -> list[tuple[bytes, bytes]]:
-        h = [(b":status", str(status).encode()), (b"server", b"edged"), (b"x-request-id", self.request_id.encode()),
-             (b"content-type", content_type.encode())]
-        if self.settings.worker:
-            h.append((b"x-edged-worker", self.settings.worker.encode()))
-        h += [(k.lower().encode("latin-1"), v.encode("latin-1", "replace"))
-              for k, v in [*self.response_headers, *extra]]
-        return h
-
-    def respond(self, status: int, body: bytes, content_type: str = "application/json",
-                headers: list[tuple[str, str]] | None = None) -> bool:
-        """Send a whole response at once. False if the stream can no longer be written."""
-        if self.headers_sent or self.closed:
-            return False
-        hdrs = self._base_headers(status, content_type, (headers or []) + [("content-length", str(len(body)))])
-        http = self.protocol.http
-        try:
-            http.send_headers(self.stream_id, hdrs, end_stream=not body)
-            if body:
-                http.send_data(self.stream_id, body, end_stream=True)
-        except Exception as e:  # the peer stopped the stream under us
-            log.debug("respond failed %s", fields(rid=self.request_id, error=repr(e)))
-            self.closed = True
-            return False
-        self.status = status
-        self.headers_sent = self.finished = self.closed = True
-        self.protocol.schedule_transmit()
-        return True
-
-    def respond_json(self, status: int, obj: Any, headers: list[tuple[str, str]] | None = None) -> bool:
-        return self.respond(status, wire.json_bytes(obj), "application/json", headers)
-
-    def respond_error(self, err: wire.WireError) -> bool:
-        return self.respond_json(err.status, err.body(), err.headers)
-
-    def start(self, status: int, content_type: str, headers: list[tuple[str, str]] | None = None) -> bool:
-        """Send the response headers of a streamed response."""
-        if self.headers_sent or self.closed:
-            return False
-        try:
-            self.protocol.http.send_headers(self.stream_id, self._base_headers(status, content_type, headers or []))
-        except Exception as e:
-            log.debug("start failed %s", fields(rid=self.request_id, error=repr(e)))
-            self.closed = True
-            return False
-        self.status = status
-        self.headers_sent = True
-        self.protocol.schedule_transmit()
-        return True
-
-    async def write(self, data: bytes) -> bool:
-        """Send a body chunk; waits while the client is behind. False: the stream is gone, stop producing."""
-        if self.closed:
-            return False
-        try:
-            self.protocol.http.send_data(self.stream_id, data, end_stream=False)
-        except Exception as e:
-            log.debug("write failed %s", fields(rid=self.request_id, error=repr(e)))
-            self.closed = True
-            return False
+    def _flush(self) -> None:
         # Coalesced: every stream written in this loop iteration goes out in one transmit.
         self.protocol.schedule_transmit()
-        if self.protocol.unacked(self.stream_id) > self.settings.send_high_water:
-            if not await self.protocol.wait_writable(self.stream_id, self.settings.send_stall_timeout_s):
-                log.warning("client stalled %s", fields(rid=self.request_id,
-                                                        unacked=self.protocol.unacked(self.stream_id)))
-                self.abort()
-                return False
-        return not self.closed
 
-    def finish(self, data: bytes = b"") -> bool:
-        """End the response (optionally with a last chunk)."""
-        if self.closed:
-            return False
-        try:
-            self.protocol.http.send_data(self.stream_id, data, end_stream=True)
-        except Exception as e:
-            log.debug("finish failed %s", fields(rid=self.request_id, error=repr(e)))
-            self.closed = True
-            return False
-        self.finished = self.closed = True
-        self.protocol.schedule_transmit()
-        return True
+    def _reset(self) -> None:
+        self.protocol.reset_stream(self.stream_id)
 
-    def abort(self) -> None:
-        """Reset the stream: the client sees the response end abnormally."""
-        if not self.closed:
-            self.closed = True
-            self.protocol.reset_stream(self.stream_id)
+    def _stop_reading(self) -> None:
+        self.protocol.stop_reading(self.stream_id)
+
+    def _forget(self) -> None:
+        self.protocol.forget(self)
+
+    def _dispatched_hook(self) -> None:
+        self.protocol.ensure_keepalive()
+
+    def _backlog(self) -> int:
+        return self.protocol.unacked(self.stream_id)
+
+    def _backlogged(self) -> bool:
+        return self.protocol.unacked(self.stream_id) > self.settings.send_high_water
+
+    async def _wait_writable(self, timeout: float) -> bool:
+        return await self.protocol.wait_writable(self.stream_id, timeout)
 
 
 class HttpServerProtocol(QuicConnectionProtocol):
@@ -472,11 +271,13 @@ class HttpServerProtocol(QuicConnectionProtocol):
 
 
 class EdgedServer:
-    """The running HTTP/3 server: `close()`, `await shutdown(timeout)`, `port`, live `settings`."""
+    """The running server: HTTP/3, plus HTTP/1.1 and HTTP/2 over TLS/TCP when `tcp` is set (both feed
+    the one router). `close()`, `await shutdown(timeout)`, `port`, live `settings`."""
 
     def __init__(self, router: RequestHandler) -> None:
         self.router = router
         self._quic_server: QuicServer | None = None
+        self.tcp: TcpListener | None = None  # the TCP listener (tcp_server.py), on the same port
         self._protocols: set[HttpServerProtocol] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._closed = False
@@ -508,8 +309,9 @@ class EdgedServer:
         self._protocols.add(proto)
         return proto
 
-    def _all_requests(self) -> list[RequestStream]:
-        return [rs for p in list(self._protocols) for rs in list(p._requests.values())]
+    def _all_requests(self) -> list[HttpRequest]:
+        quic: list[HttpRequest] = [rs for p in list(self._protocols) for rs in list(p._requests.values())]
+        return quic + (self.tcp.requests() if self.tcp is not None else [])
 
     async def shutdown(self, timeout: float = 30.0) -> None:
         """Drain: refuse new requests (503), let in-flight ones finish for up to `timeout` seconds,
@@ -533,6 +335,8 @@ class EdgedServer:
         self.close()
 
     def _any_unacked(self) -> bool:
+        if self.tcp is not None and self.tcp.unsent():
+            return True
         for p in self._protocols:
             for sid in list(p._quic._streams):
                 if p.unacked(sid):
@@ -549,6 +353,8 @@ class EdgedServer:
             rs.cancel("server_closed")
         if self._quic_server is not None:
             self._quic_server.close()
+        if self.tcp is not None:
+            self.tcp.close()
         self._protocols.clear()
         log.info("server closed")
 
@@ -566,10 +372,13 @@ async def serve(
     keyfile: str,
     *,
     sock: socket.socket | None = None,
+    tcp: bool = False,
+    tcp_sock: socket.socket | None = None,
 ) -> EdgedServer:
     """Listen for HTTP/3 on UDP host:port (IPv4 or IPv6; port 0 picks a free one), or on `sock`, a
     bound UDP socket (a worker's share of the daemon's SO_REUSEPORT group), and hand every request
-    to `router`."""
+    to `router`. With `tcp_sock` (a listening TCP socket) or `tcp`, HTTP/1.1 and HTTP/2 over TLS
+    are served too: on `tcp_sock`, else on TCP at the UDP socket's address."""
     settings = router.settings
     config = QuicConfiguration(
         is_client=False,
@@ -585,4 +394,12 @@ async def serve(
         lambda: QuicServer(configuration=config, create_protocol=server._create_protocol), **where)
     h, p = server.address
     log.info("listening %s", fields(proto="h3", host=h, port=p))
+    if tcp or tcp_sock is not None:
+        from edged.server.tcp_server import serve_tcp
+
+        try:
+            server.tcp = await serve_tcp(server, certfile, keyfile, host=h, port=p, sock=tcp_sock)
+        except BaseException:
+            server.close()
+            raise
     return server

@@ -1,7 +1,7 @@
 """Routing and the endpoint handlers: OpenAI completions (JSON, SSE, msgpack), models, health.
 
-Each handler gets a `RequestStream` (h3_server.py) whose body is complete, validates it with
-openai_wire, asks the engine, and writes the response. Validation errors are answered before any
+Each handler gets an `HttpRequest` (request.py; from HTTP/3, HTTP/2 or HTTP/1.1) whose body is
+complete, validates it with openai_wire, asks the engine, and writes the response. Validation errors are answered before any
 engine work; errors after a stream started become a final `{"error": ...}` event and `[DONE]`.
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from edged.cache.result_front import ResultCacheFront
     from edged.engine.client import EngineClient
     from edged.engine.request import GenerationRequest
-    from edged.server.h3_server import RequestStream
+    from edged.server.request import HttpRequest as RequestStream  # any transport's request
     from edged.server.settings import ServerSettings
 
 log = logging.getLogger("edged.server")
@@ -138,7 +138,7 @@ class Router:
 
     @staticmethod
     def _elapsed(req: RequestStream) -> float:
-        return req.protocol._loop.time() - req.started
+        return req.elapsed()
 
     def _record(self, rec: RequestRecord, **extra: Any) -> None:
         level = logging.INFO if self.settings.access_log else logging.DEBUG
@@ -341,7 +341,7 @@ class Router:
     @staticmethod
     def _progress(req: RequestStream, d: Any) -> None:
         if req.ttft is None:
-            req.ttft = req.protocol._loop.time() - req.started
+            req.ttft = req.elapsed()
         req.prompt_tokens, req.completion_tokens = d.prompt_tokens, d.completion_tokens
 
     async def _stream(self, req: RequestStream, p: ParsedRequest, gen: GenerationRequest, agen: Any) -> None:
