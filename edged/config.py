@@ -129,6 +129,8 @@ class ServerConfig:
     drain_timeout_s: float = _f(30.0, ge=0)
     # Front-end worker processes sharing the UDP port (SO_REUSEPORT); "auto": see auto_workers.
     workers: str = _f("auto", check=_check_workers, int_ok=True)
+    # HTTP/1.1 and HTTP/2 over TLS/TCP on the same address as HTTP/3 (clients without QUIC).
+    tcp: bool = True
 
     @property
     def host(self) -> str:
@@ -594,8 +596,8 @@ def apply_overrides(config: Config, *, listen: str | None = None, state_dir: str
 # ------------------------------------------------------------------------------------ live reload
 
 # Keys (or prefixes) whose change takes effect only after a restart; everything else applies live.
-RESTART_REQUIRED = ("model", "server.listen", "server.workers", "server.certfile", "server.keyfile", "server.state_dir",
-                    "cache.host_spill_bytes", "scheduler.pin_threads")
+RESTART_REQUIRED = ("model", "server.listen", "server.workers", "server.tcp", "server.certfile", "server.keyfile",
+                    "server.state_dir", "cache.host_spill_bytes", "scheduler.pin_threads")
 
 
 def needs_restart(key_path: str) -> bool:

@@ -85,6 +85,30 @@ def bind_udp(host: str, port: int, count: int) -> list[socket.socket]:
     return socks
 
 
+def bind_tcp(host: str, port: int, count: int, backlog: int = 1024) -> list[socket.socket]:
+    """`count` listening TCP sockets on one address in one SO_REUSEPORT group (the kernel spreads
+    new connections over them, one per worker); `port` is the UDP sockets' (HTTP/1.1 and HTTP/2
+    beside HTTP/3 on the same port number; port 0: the first one picks it)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(count):
+            s = socket.socket(family, socket.SOCK_STREAM)
+            socks.append(s)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            if family == socket.AF_INET6:
+                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+            s.bind((host, port))
+            port = s.getsockname()[1]
+            s.listen(backlog)
+            s.setblocking(False)
+    except OSError as e:
+        for s in socks:
+            s.close()
+        raise OSError(f"cannot listen on tcp {host}:{port}: {e.strerror or e}") from None
+    return socks
+
+
 class Daemon:
     def __init__(self, config: Config, config_path: str | None, overrides: dict[str, str | None],
                  run_dir: str) -> None:
@@ -100,6 +124,7 @@ class Daemon:
         self.core: Child | None = None
         self.workers: dict[str, Child] = {}
         self.sockets: dict[str, socket.socket] = {}
+        self.tcp_sockets: dict[str, socket.socket] = {}  # empty when server.tcp is off
         self.info: Any = None  # the core's ModelInfo
         self.certfile = self.keyfile = ""
         self.exit_code = 0
@@ -202,7 +227,7 @@ class Daemon:
         from edged.server.worker import run_worker
 
         child = self._start_child(name, run_worker, (name, self.config, self.info, self.run_dir, self.sockets[name],
-                                                     self.certfile, self.keyfile))
+                                                     self.tcp_sockets.get(name), self.certfile, self.keyfile))
         self.workers[name] = child
         return child
 
@@ -220,6 +245,14 @@ class Daemon:
         register_process(self.run_dir, "supervisor")
         names = [f"w{i}" for i in range(auto_workers(cfg.server.workers))]
         self.sockets = dict(zip(names, bind_udp(cfg.server.host, cfg.server.port, len(names))))
+        if cfg.server.tcp:
+            try:
+                udp_port = self.sockets[names[0]].getsockname()[1]
+                self.tcp_sockets = dict(zip(names, bind_tcp(cfg.server.host, udp_port, len(names))))
+            except OSError:
+                for s in self.sockets.values():
+                    s.close()
+                raise
         os.makedirs(cfg.server.state_dir, exist_ok=True)
         self.certfile, self.keyfile = ensure_cert(cfg.server.state_dir, cfg.server.certfile, cfg.server.keyfile)
         loop = asyncio.get_running_loop()
@@ -286,7 +319,7 @@ class Daemon:
         if self.core is not None and self.core.process.is_alive():
             self.core.send("stop")
             await self._join([self.core], CORE_STOP_S)
-        for s in self.sockets.values():
+        for s in [*self.sockets.values(), *self.tcp_sockets.values()]:
             s.close()
         log.info("stopped")
         return code

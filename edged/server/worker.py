@@ -1,4 +1,5 @@
-"""A front-end worker process: HTTP/3 on its share of the daemon's UDP port, and all per-request work.
+"""A front-end worker process: HTTP/3 on its share of the daemon's UDP port (and HTTP/1.1 + HTTP/2
+on its share of the same TCP port), and all per-request work.
 
 Each worker runs uvloop + aioquic on a UDP socket that the supervisor bound with SO_REUSEPORT (the
 kernel keeps a connection's packets on one socket, hence one worker) and does, for the requests of
@@ -80,7 +81,9 @@ class Worker:
 
     # ---- run
 
-    async def run(self, sock: socket.socket, certfile: str, keyfile: str) -> int:
+    async def run(self, sock: socket.socket, certfile: str, keyfile: str,
+                  tcp_sock: socket.socket | None = None) -> int:
+        """Serve HTTP/3 on `sock` and, given `tcp_sock` (server.tcp), HTTP/1.1 + HTTP/2 on it, until drained."""
         from edged.server.h3_server import serve
         from edged.server.routes import Router
 
@@ -88,7 +91,8 @@ class Worker:
         self.engine.start()
         await self._open_result_cache()
         router = Router(self.engine, server_settings(cfg, self.name))
-        self.server = await serve(router, cfg.server.host, cfg.server.port, certfile, keyfile, sock=sock)
+        self.server = await serve(router, cfg.server.host, cfg.server.port, certfile, keyfile, sock=sock,
+                                  tcp_sock=tcp_sock)
         self.mount(router)
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, self._drain.set)  # systemd's KillMode=mixed sends it only to the supervisor
@@ -203,8 +207,8 @@ class Worker:
                     return
 
 
-def run_worker(name: str, config: Config, info: Any, run_dir: str, sock: socket.socket, certfile: str,
-               keyfile: str, control: Connection) -> None:
+def run_worker(name: str, config: Config, info: Any, run_dir: str, sock: socket.socket,
+               tcp_sock: socket.socket | None, certfile: str, keyfile: str, control: Connection) -> None:
     """Entry point of a front-end worker process (multiprocessing "spawn")."""
     from edged.engine.remote_client import RemoteEngineClient
     from edged.processes import child_setup, register_process
@@ -214,7 +218,7 @@ def run_worker(name: str, config: Config, info: Any, run_dir: str, sock: socket.
 
     async def main() -> int:
         worker = Worker(name, config, RemoteEngineClient(info, run_dir, name), run_dir, control)
-        return await worker.run(sock, certfile, keyfile)
+        return await worker.run(sock, certfile, keyfile, tcp_sock)
 
     try:
         import uvloop

@@ -171,11 +171,14 @@ def expected_text(max_tokens: int | None = None) -> str:
 
 
 class ServerThread:
-    """Run `serve()` on a uvloop loop in a background thread, as the daemon does on its main loop."""
+    """Run `serve()` on a uvloop loop in a background thread, as the daemon does on its main loop.
+
+    tcp=True also serves HTTP/1.1 and HTTP/2 over TLS/TCP on the same port number (tcp_server.py)."""
 
     def __init__(self, engine: Any, certfile: str, keyfile: str, settings: ServerSettings | None = None,
-                 host: str = "127.0.0.1") -> None:
+                 host: str = "127.0.0.1", tcp: bool = False) -> None:
         self.engine = engine
+        self.tcp = tcp
         self.certfile, self.keyfile = certfile, keyfile
         self.settings = settings or ServerSettings()
         self.host = host
@@ -193,7 +196,7 @@ class ServerThread:
         asyncio.set_event_loop(self.loop)
         try:
             self.server = self.loop.run_until_complete(
-                serve(Router(self.engine, self.settings), self.host, 0, self.certfile, self.keyfile))
+                serve(Router(self.engine, self.settings), self.host, 0, self.certfile, self.keyfile, tcp=self.tcp))
             self.port = self.server.port
         except BaseException as e:  # noqa: BLE001 - reported to the test thread
             self._error = e
