@@ -190,6 +190,48 @@ def test_http2_flow_control_small_window(srv, certs):
     assert lines[-1] == "data: [DONE]" and sse_text(lines) == expected_text()
 
 
+def raw_http1(st: ServerThread, certs, data: bytes, responses: int) -> list[tuple[int, dict, bytes]]:
+    """Send raw bytes over TLS (ALPN http/1.1) and parse `responses` responses with an h11 client."""
+    import h11
+
+    ctx = ssl.create_default_context(cafile=certs[0])
+    ctx.set_alpn_protocols(["http/1.1"])
+    out = []
+    with socket.create_connection(("127.0.0.1", st.port), timeout=10) as raw, \
+            ctx.wrap_socket(raw, server_hostname="127.0.0.1") as s:
+        s.sendall(data)
+        conn = h11.Connection(h11.CLIENT)
+        for _ in range(responses):
+            conn.send(h11.Request(method="GET", target="/", headers=[("host", "x")]))  # mirror the client's side
+            conn.send(h11.EndOfMessage())
+            status, headers, payload = 0, {}, b""
+            while True:
+                ev = conn.next_event()
+                if ev is h11.NEED_DATA:
+                    conn.receive_data(s.recv(65536))
+                elif isinstance(ev, h11.Response):
+                    status, headers = ev.status_code, {k.decode(): v.decode() for k, v in ev.headers}
+                elif isinstance(ev, h11.Data):
+                    payload += ev.data
+                elif isinstance(ev, (h11.EndOfMessage, h11.ConnectionClosed)):
+                    break
+            out.append((status, headers, payload))
+            if conn.our_state is h11.DONE and conn.their_state is h11.DONE:
+                conn.start_next_cycle()
+    return out
+
+
+def test_http1_pipelining_and_malformed_requests(srv, certs):
+    pipelined = (b"GET /healthz HTTP/1.1\r\nhost: a\r\nx-request-id: p-1\r\n\r\n"
+                 b"GET /v1/models HTTP/1.1\r\nhost: a\r\nx-request-id: p-2\r\n\r\n")
+    (s1, h1, b1), (s2, h2_, b2) = raw_http1(srv, certs, pipelined, 2)
+    assert (s1, h1["x-request-id"], json.loads(b1)) == (200, "p-1", {"status": "ok"})
+    assert (s2, h2_["x-request-id"]) == (200, "p-2") and json.loads(b2)["object"] == "list"
+    [(status, headers, payload)] = raw_http1(srv, certs, b"NOT HTTP AT ALL\r\n\r\n", 1)
+    assert status == 400 and headers["content-type"] == "application/json"
+    assert json.loads(payload)["error"]["code"] == "invalid_request"
+
+
 # ------------------------------------------------------------------ the same errors as HTTP/3
 
 @pytest.mark.parametrize("case", BAD, ids=[b[0] for b in BAD])
@@ -364,3 +406,28 @@ def test_peer_host_over_tcp(certs):
             with http(certs, proto) as c:
                 r = c.get(url(st, "/whoami"))
                 assert (r.status_code, r.text) == (200, "127.0.0.1")
+
+
+# ------------------------------------------------------------------ an independent client
+
+@pytest.mark.parametrize("version", ["V1_1", "V2TLS"])
+def test_curl_without_http3_streams_sse(srv, certs, version):
+    pytest.importorskip("curl_cffi")
+    from curl_cffi import CurlHttpVersion
+    from curl_cffi import requests as creq
+
+    def fetch() -> tuple[int, int, str | None, str | None, list[bytes]]:
+        r = creq.post(f"https://127.0.0.1:{srv.port}/v1/chat/completions",
+                      json={"messages": [{"role": "user", "content": "hi"}], "stream": True},
+                      http_version=getattr(CurlHttpVersion, version), verify=certs[0], stream=True, timeout=15)
+        try:
+            lines = [line for line in r.iter_lines() if line]
+        finally:
+            r.close()
+        return r.status_code, r.http_version, r.headers.get("content-type"), r.headers.get("alt-svc"), lines
+
+    status, used, ctype, alt, lines = run(asyncio.to_thread(fetch), timeout=30)
+    assert used == {"V1_1": CurlHttpVersion.V1_1, "V2TLS": CurlHttpVersion.V2_0}[version]  # what was negotiated
+    assert status == 200 and ctype == "text/event-stream" and alt == alt_svc(srv)
+    assert lines[-1] == b"data: [DONE]"
+    assert sse_text([line.decode() for line in lines]) == expected_text()

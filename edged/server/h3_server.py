@@ -7,6 +7,9 @@ then runs the route handler (routes.py) as a task that writes the response back.
 A stream reset, a STOP_SENDING or a lost connection cancels the handler task, whose `finally`
 cancels the engine sequence. Writes wait (bounded) while a stream has too many unacknowledged
 bytes, so one slow client cannot grow memory without limit.
+
+The request side shared with HTTP/2 and HTTP/1.1 (tcp_server.py) is `HttpRequest` (request.py);
+`EdgedServer` owns both listeners, so drain and close cover both.
 """
 from __future__ import annotations
 

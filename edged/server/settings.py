@@ -16,7 +16,8 @@ class ApiKeyPolicy:
 
 @dataclass(slots=True)
 class ServerSettings:
-    """What the HTTP/3 front end needs from config; may be replaced while running (live reload)."""
+    """What the HTTP front end (HTTP/3, and HTTP/2 + HTTP/1.1 over TCP) needs from config; may be
+    replaced while running (live reload)."""
 
     max_body_bytes: int = 1 << 20  # larger bodies: 413, as soon as the limit is crossed
     default_max_tokens: int = 256  # when a request gives none (also capped by the limits and the room left)
@@ -27,11 +28,13 @@ class ServerSettings:
     tier_max_tokens: dict[str, int] = field(default_factory=dict)  # per-tier cap under max_tokens_limit
     api_keys: dict[str, ApiKeyPolicy] | None = None  # sha256(key) hex -> policy; None: no authentication
     request_timeout_s: float | None = None  # generation running longer is ended with an error
-    max_concurrent_streams: int = 128  # per connection, enforced by QUIC (new connections only)
+    max_concurrent_streams: int = 128  # per connection: QUIC MAX_STREAMS / HTTP/2 SETTINGS (new connections only)
     body_timeout_s: float = 30.0  # headers not complete within this: reset; the body not within this after them: 408
-    idle_timeout_s: float = 60.0  # QUIC idle timeout (new connections only)
+    idle_timeout_s: float = 60.0  # QUIC idle timeout (new connections only); TCP: closed when idle this long
     keepalive_s: float = 15.0  # PING interval while a connection has requests in flight
-    send_high_water: int = 256 * 1024  # unacknowledged bytes per stream before a write waits
+    # unacknowledged bytes per stream (QUIC) / bytes in the TCP write buffer before a write waits; HTTP/2
+    # writes also wait while the stream's flow-control window is closed
+    send_high_water: int = 256 * 1024
     send_stall_timeout_s: float = 30.0  # a client that acknowledges nothing for this long is dropped
     max_datagram_frame_size: int = 65536
     drain_retry_after_s: int = 5  # Retry-After of the 503 sent while shutting down
