@@ -431,3 +431,19 @@ def test_curl_without_http3_streams_sse(srv, certs, version):
     assert status == 200 and ctype == "text/event-stream" and alt == alt_svc(srv)
     assert lines[-1] == b"data: [DONE]"
     assert sse_text([line.decode() for line in lines]) == expected_text()
+
+
+def test_idle_connections_are_closed_busy_ones_are_not(certs):
+    engine = FakeEngine()
+    with ServerThread(engine, *certs, settings=ServerSettings(idle_timeout_s=0.3), tcp=True) as st:
+        for proto in PROTOCOLS:
+            with http(certs, proto) as c:
+                # a stream quiet for longer than the idle timeout (its tokens come every 50 ms, but
+                # the client sends nothing) keeps its connection
+                r = c.post(url(st, "/v1/chat/completions"), headers=JSON,
+                           content=body(max_tokens=10, messages=[{"role": "user", "content": "[slow]"}]))
+                assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "x" * 10
+                [conn] = st.server.tcp.connections
+                assert not conn.transport.is_closing()
+                assert wait_until(conn.transport.is_closing, timeout=3)  # then idle: closed by the server
+                assert c.get(url(st, "/healthz")).status_code == 200  # the client just reconnects

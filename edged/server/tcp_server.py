@@ -164,8 +164,11 @@ class TcpConnection(asyncio.Protocol):
             return
         idle_s = self.server.settings.idle_timeout_s
         quiet = self.loop.time() - self._last_io
-        if self.session.active() or quiet < idle_s:
-            self._arm_idle(idle_s - quiet if not self.session.active() else idle_s)
+        if self.session.active():  # a request waiting for its first token is not idle
+            self._arm_idle(idle_s)
+            return
+        if quiet < idle_s:
+            self._arm_idle(idle_s - quiet)
             return
         log.debug("tcp connection idle %s", fields(peer=self.peer, idle_s=round(quiet, 1)))
         self.session.close()
