@@ -447,3 +447,26 @@ def test_idle_connections_are_closed_busy_ones_are_not(certs):
                 assert not conn.transport.is_closing()
                 assert wait_until(conn.transport.is_closing, timeout=3)  # then idle: closed by the server
                 assert c.get(url(st, "/healthz")).status_code == 200  # the client just reconnects
+
+
+@pytest.mark.parametrize("proto", PROTOCOLS)
+def test_client_that_stops_reading_is_dropped(certs, proto):
+    """Writes wait while the client is behind (HTTP/1.1: the TCP write buffer; HTTP/2: the stream's
+    window), and a client that takes nothing for send_stall_timeout_s is dropped."""
+    settings = ServerSettings(send_high_water=16 * 1024, send_stall_timeout_s=1.0)
+    done: dict[str, int] = {}
+
+    async def firehose(req):
+        req.start(200, "application/octet-stream")
+        sent, chunk = 0, b"x" * 16384
+        while sent < 1 << 30 and await req.write(chunk):
+            sent += len(chunk)
+        done["sent"] = sent
+
+    with ServerThread(FakeEngine(), *certs, settings=settings, tcp=True) as st:
+        st.server.router.add("GET", "/firehose", firehose, public=True)
+        with http(certs, proto) as c, c.stream("GET", url(st, "/firehose")) as r:
+            assert r.status_code == 200
+            assert wait_until(lambda: "sent" in done, timeout=20)  # the handler's write said "gone"
+    # bounded by the client's window / the socket buffers, not by how much the handler had
+    assert done["sent"] < 64 << 20
