@@ -185,13 +185,16 @@ class TierConfig:
     max_queue: int = _f(128, gt=0)
     batch_window_ms: BatchWindow = field(default_factory=BatchWindow)
     max_tokens: int | None = _f(None, gt=0)  # a per-tier cap under limits.max_tokens_limit
+    # Time per output token after the first (pace); None: no pace promise. While a sequence of this
+    # tier decodes, the scheduler keeps steps within it by deferring lower tiers' decodes.
+    tpot_target_ms: float | None = _f(None, gt=0)
 
 
 def default_tiers() -> dict[str, TierConfig]:
     return {
-        "gold": TierConfig(8.0, 500.0, 64, BatchWindow(0.0, 2.0, 10.0)),
-        "silver": TierConfig(4.0, 2000.0, 128, BatchWindow(0.0, 5.0, 25.0)),
-        "bronze": TierConfig(1.0, 10000.0, 256, BatchWindow(0.0, 20.0, 100.0)),
+        "gold": TierConfig(8.0, 500.0, 64, BatchWindow(0.0, 2.0, 10.0), tpot_target_ms=40.0),
+        "silver": TierConfig(4.0, 2000.0, 128, BatchWindow(0.0, 5.0, 25.0), tpot_target_ms=100.0),
+        "bronze": TierConfig(1.0, 10000.0, 256, BatchWindow(0.0, 20.0, 100.0), tpot_target_ms=500.0),
     }
 
 

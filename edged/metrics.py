@@ -115,11 +115,29 @@ class _LiveCollector(Collector):
             att = GaugeMetricFamily("edged_sla_attainment", "share of recent requests within their TTFT target",
                                     labels=["tier"])
             window = GaugeMetricFamily("edged_batch_window_seconds", "current adaptive batch window", labels=["tier"])
+            tpot_att = GaugeMetricFamily("edged_tpot_attainment",
+                                         "share of recent finished requests within their time-per-output-token target",
+                                         labels=["tier"])
+            tpot = CounterMetricFamily("edged_tpot_requests", "finished requests by TPOT target met or missed",
+                                       labels=["tier", "result"])
+            pred_n = CounterMetricFamily("edged_ttft_predictions", "admitted requests whose predicted TTFT was "
+                                         "compared with the observed one", labels=["tier"])
+            pred_abs = CounterMetricFamily("edged_ttft_prediction_abs_error_seconds",
+                                           "sum of |observed - predicted| TTFT over those requests", labels=["tier"])
+            pred_err = GaugeMetricFamily("edged_ttft_prediction_error_seconds_sum",
+                                         "sum of (observed - predicted) TTFT: > 0 when admission was optimistic",
+                                         labels=["tier"])
             for tier, snap in e.tiers.items():
                 depth.add_metric([tier], snap.get("queue_depth", 0))
                 att.add_metric([tier], snap.get("sla_attainment", 1.0))
                 window.add_metric([tier], snap.get("batch_window_ms", 0.0) / 1000.0)
-            yield from (depth, att, window)
+                tpot_att.add_metric([tier], snap.get("tpot_attainment", 1.0))
+                tpot.add_metric([tier, "met"], snap.get("tpot_met", 0))
+                tpot.add_metric([tier, "missed"], snap.get("tpot_missed", 0))
+                pred_n.add_metric([tier], snap.get("ttft_prediction_count", 0))
+                pred_abs.add_metric([tier], snap.get("ttft_prediction_abs_error_sum_s", 0.0))
+                pred_err.add_metric([tier], snap.get("ttft_prediction_error_sum_s", 0.0))
+            yield from (depth, att, window, tpot_att, tpot, pred_n, pred_abs, pred_err)
         if e.gpu_memory:
             g = GaugeMetricFamily("edged_gpu_memory_bytes", "GPU memory", labels=["kind"])
             for kind, value in e.gpu_memory.items():
@@ -132,11 +150,15 @@ class _LiveCollector(Collector):
         target = GaugeMetricFamily("edged_tier_ttft_target_seconds", "configured TTFT target", labels=["tier"])
         queue = GaugeMetricFamily("edged_tier_max_queue", "configured queue bound", labels=["tier"])
         weight = GaugeMetricFamily("edged_tier_weight", "configured weighted-fair-share weight", labels=["tier"])
+        tpot = GaugeMetricFamily("edged_tier_tpot_target_seconds", "configured time-per-output-token target",
+                                 labels=["tier"])
         for name, tier in config.tiers.items():
             target.add_metric([name], tier.ttft_target_ms / 1000.0)
             queue.add_metric([name], tier.max_queue)
             weight.add_metric([name], tier.weight)
-        yield from (target, queue, weight)
+            if tier.tpot_target_ms is not None:
+                tpot.add_metric([name], tier.tpot_target_ms / 1000.0)
+        yield from (target, queue, weight, tpot)
         yield GaugeMetricFamily("edged_max_tokens_limit", "largest max_tokens accepted",
                                 value=config.limits.max_tokens_limit)
         yield GaugeMetricFamily("edged_result_cache_enabled", "1 when the result cache is on",

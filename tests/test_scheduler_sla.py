@@ -219,7 +219,7 @@ def test_a_full_tier_queue_gets_429_with_retry_after() -> None:
     adm.admit(sim_request("e", "gold"))
 
 
-def test_an_unreachable_deadline_gets_503_and_lower_tiers_are_refused_first() -> None:
+def test_an_unreachable_deadline_gets_429_and_lower_tiers_are_refused_first() -> None:
     clock = SimClock()
     tiers = {"gold": TierConfig(8.0, 500.0, 1000), "bronze": TierConfig(1.0, 5000.0, 1000)}
     stats = StepStats(prior=StepModel(0.05, 0.0005, 0.002))  # a slow engine: 50 ms steps and more
@@ -231,7 +231,7 @@ def test_an_unreachable_deadline_gets_503_and_lower_tiers_are_refused_first() ->
         try:
             adm.admit(sim_request(f"r{i}", tier, arrival=clock()))
         except AdmissionError as e:
-            assert e.status == 503 and e.code == "deadline_unreachable" and e.reason == "deadline"
+            assert e.status == 429 and e.code == "deadline_unreachable" and e.reason == "deadline"
             assert e.predicted_ttft_s > tiers[tier].ttft_target_ms / 1000 * adm.headroom
             assert 1 <= e.retry_after <= 60
             refused[tier] += 1
@@ -381,7 +381,7 @@ def test_the_real_engine_never_runs_a_batch_above_its_cap() -> None:
 # ------------------------------------------------------------------------------- through the routes
 
 
-def test_routes_answer_admission_refusals_with_429_and_503_and_retry_after(tmp_path) -> None:
+def test_routes_answer_admission_refusals_with_429_and_retry_after(tmp_path) -> None:
     import asyncio
     import json
 
@@ -403,6 +403,9 @@ def test_routes_answer_admission_refusals_with_429_and_503_and_retry_after(tmp_p
             return await super().submit(request)
 
     admission = batcher.admission()
+    for i in range(4):  # a bronze queue ahead: the 1 ms target cannot be met behind it
+        batcher.board.note_admitted("bronze", f"queued-{i}", 200, 0.0)
+    admission.pending_ttl_s = 1e9
     with ServerThread(AdmittingEngine(), *certs, settings=settings) as st:
 
         async def go() -> list:
@@ -419,6 +422,130 @@ def test_routes_answer_admission_refusals_with_429_and_503_and_retry_after(tmp_p
         first, full, late = asyncio.run(asyncio.wait_for(go(), 20))
     assert first[0] == 200  # the fake engine never reports back, so gold's one queue place stays taken
     assert full[0] == 429 and int(full[1]) >= 1 and full[2]["error"]["code"] == "tier_queue_full"
-    assert late[0] == 503 and int(late[1]) >= 1 and late[2]["error"]["code"] == "deadline_unreachable"
+    assert late[0] == 429 and int(late[1]) >= 1 and late[2]["error"]["code"] == "deadline_unreachable"
     snap = batcher.snapshot()
     assert snap["gold"]["rejected"]["queue_full"] == 1 and snap["bronze"]["rejected"]["deadline"] == 1
+
+
+# --------------------------------------------- issue 14: bounded steps, per-tier pace, bursts refused early
+
+# A CPU-like engine (the shipped 2-core box): every token, prompt or decode, costs a few ms.
+CPU_COST = StepCost(a=0.02, b=0.003, c=0.004)
+CPU_LIMITS = BatchLimits(max_num_seqs=64, max_batch_tokens=2048)  # config.yaml's defaults
+
+
+class Arrivals:
+    """A fixed list of requests, played by SimEngine.run like a Workload."""
+
+    def __init__(self, requests: list[GenerationRequest]) -> None:
+        self._requests = sorted(requests, key=lambda r: r.arrival_time)
+        self.duration_s = self._requests[-1].arrival_time
+        self.mean_prompt = sum(len(r.prompt_token_ids) for r in requests) / len(requests)
+        self.mean_output = sum(r.sampling.max_tokens for r in requests) / len(requests)
+
+    def requests(self) -> list[GenerationRequest]:
+        return list(self._requests)
+
+
+class StepSpy:
+    """Records each planned step's predicted time and whether a protected-tier prompt was in it."""
+
+    def __init__(self, sim: SimEngine) -> None:
+        self.sim, self.steps = sim, []
+        schedule = sim.batcher.schedule
+
+        def spy():
+            plan = schedule()
+            b = sim.batcher
+            gold_prompt = any(c.num_new_tokens > 1 and b.queues.entries[c.seq].tier == "gold" for c in plan.chunks)
+            self.steps.append((CPU_COST(plan.num_prefill_tokens, len(plan.chunks)), b.step_bound_s, gold_prompt,
+                               b.clock()))
+            return plan
+
+        sim.batcher.schedule = spy
+
+
+def burst_run(gold_only: bool = False) -> SimEngine:
+    """One solo gold at t=0; then (unless gold_only) 96 bronze streams at t=1 and 8 gold, one every 0.4 s."""
+    reqs = [sim_request("solo", "gold", 0.0, prompt=30, out=16)]
+    if not gold_only:
+        reqs += [sim_request(f"b{i}", "bronze", 1.0, prompt=30, out=64) for i in range(96)]
+        reqs += [sim_request(f"g{i}", "gold", 2.0 + 0.4 * i, prompt=30, out=16) for i in range(8)]
+    sim = SimEngine(limits=CPU_LIMITS, cost=CPU_COST)
+    sim.spy = StepSpy(sim)
+    sim.run(Arrivals(reqs))
+    return sim
+
+
+def tpot_of(sim: SimEngine, tier: str) -> float:
+    snap = sim.batcher.snapshot()[tier]
+    return snap["tpot_sum_s"] / snap["tpot_count"]
+
+
+def test_a_bronze_burst_keeps_gold_within_2x_of_solo_and_is_refused_early() -> None:
+    solo = burst_run(gold_only=True)
+    solo_ttft, solo_tpot = solo.results["gold"].ttfts[0], tpot_of(solo, "gold")
+    sim = burst_run()
+    gold, bronze = sim.results["gold"], sim.results["bronze"]
+    gold_ttfts = sorted(gold.ttfts[1:])  # the burst's gold requests (the first is the solo one)
+    assert len(gold_ttfts) == 8 and gold.rejected_total == 0
+    assert gold.ttft_quantile(0.9) <= 2 * solo_ttft, (solo_ttft, gold_ttfts)
+    assert max(gold_ttfts) <= gold.target_s
+    assert tpot_of(sim, "gold") <= 2 * solo_tpot, (solo_tpot, tpot_of(sim, "gold"))
+    # Bronze beyond what its own target allows is refused at the door (429, deadline); what is
+    # admitted meets the target and completes.
+    assert bronze.rejected.get("deadline", 0) > 0 and bronze.admitted > 0
+    assert bronze.attainment >= 0.9, sim.table() if hasattr(sim, "table") else bronze
+    assert bronze.completed == bronze.admitted and gold.completed == gold.admitted
+    # No step outlasts the bound (a gold prompt may take up to a quarter of gold's TTFT target).
+    for predicted, bound, gold_prompt, _ in sim.spy.steps:
+        limit = max(bound, 0.25 * gold.target_s) if gold_prompt else bound
+        assert predicted <= limit + CPU_COST(8, 1) - CPU_COST.a, (predicted, bound, gold_prompt)
+    snap = sim.batcher.snapshot()
+    assert snap["gold"]["tpot_count"] == 9 and snap["gold"]["tpot_attainment"] == 1.0
+    assert snap["bronze"]["ttft_prediction_count"] == bronze.first_tokens
+    assert snap["bronze"]["ttft_prediction_abs_error_sum_s"] > 0
+
+
+def test_the_step_budget_follows_the_tightest_tier_in_use() -> None:
+    """Bronze alone (gold never seen): long steps and full batches; gold in use: steps of a tenth of
+    gold's TTFT target; a gold sequence decoding: steps within its TPOT target."""
+    sim = SimEngine(limits=CPU_LIMITS, cost=CPU_COST)
+    b = sim.batcher
+    for i in range(40):
+        sim.submit(sim_request(f"b{i}", "bronze", 0.0, prompt=30, out=64))
+    sim.step()
+    assert b.step_bound_s == pytest.approx(0.1 * 10.0)  # a tenth of bronze's TTFT target
+    sim.step()
+    assert b.step_bound_s == pytest.approx(0.75 * 0.5)  # bronze decoding: its own pace, 375 ms
+    assert b.seq_cap == CPU_LIMITS.max_num_seqs
+    sim.clock.advance(0.01)
+    sim.submit(sim_request("g", "gold", sim.clock(), prompt=30, out=16))
+    sim.step()
+    assert b.step_bound_s <= 0.1 * 0.5 + 1e-9
+    while not sim.results["gold"].first_tokens:
+        sim.step()
+    sim.step()
+    assert b.step_bound_s == pytest.approx(0.75 * 0.040)  # gold decoding: its pace bounds the step
+    assert b.seq_cap < 40 and b.deferred_decodes > 0
+
+
+def test_at_1_5x_load_no_tier_starves_on_a_cpu_like_engine() -> None:
+    # Chat-sized prompts: on this engine a gold prompt alone takes a fifth of gold's TTFT target.
+    cap = capacity_rps(CPU_COST, CPU_LIMITS, 32, 32)
+    wl = Workload(rate_rps=1.5 * cap, duration_s=60.0, prompt_tokens=(16, 48), output_tokens=(16, 48), seed=3)
+    rep = SimEngine(limits=CPU_LIMITS, cost=CPU_COST).run(wl)
+    for name in ("gold", "silver", "bronze"):  # no tier starves; each one's attainment is reported
+        r = rep.tiers[name]
+        assert r.completed >= 20 and r.completed == r.admitted, rep.table()
+        snap = rep.snapshot[name]
+        assert snap["tpot_count"] == r.completed and 0 <= snap["tpot_attainment"] <= 1
+        assert 0 <= snap["sla_attainment"] <= 1 and snap["ttft_prediction_count"] == r.first_tokens
+    gold = rep.tiers["gold"]
+    # Gold meets its target; admission is cautious for it here (about a fifth refused at this load).
+    assert gold.attainment >= 0.99 and gold.rejected_total / gold.offered < 0.25, rep.table()
+    # Gold's pace: most of its requests keep it (new gold prompts, computed in one longer step, slow
+    # the gold sequences decoding beside them).
+    assert rep.snapshot["gold"]["tpot_attainment"] >= 0.6, rep.snapshot["gold"]
+    # Lower tiers are refused first.
+    assert rep.tiers["bronze"].rejected_total / rep.tiers["bronze"].offered > gold.rejected_total / gold.offered

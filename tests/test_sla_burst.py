@@ -41,7 +41,8 @@ class Result:
 
 def body(prompt: str, max_tokens: int) -> bytes:
     return json.dumps({"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-                       "temperature": 0, "stream": True, "ignore_eos": True}).encode()
+                       "temperature": 0, "stream": True, "ignore_eos": True,
+                       "stream_options": {"include_usage": True}}).encode()
 
 
 async def one(d: DaemonProcess, tier: str, prompt: str, max_tokens: int) -> Result:
@@ -54,7 +55,8 @@ async def one(d: DaemonProcess, tier: str, prompt: str, max_tokens: int) -> Resu
         except HTTPError as e:
             return Result(tier, e.status)
         if rs.status != 200:
-            raw = b"".join([chunk async for chunk in rs])
+            async for _ in rs:  # the error body
+                pass
             return Result(tier, rs.status, retry_after=rs.headers.get("retry-after"))
         first = last = None
         tokens, done, buf = 0, False, b""
@@ -66,12 +68,14 @@ async def one(d: DaemonProcess, tier: str, prompt: str, max_tokens: int) -> Resu
                 if line == "data: [DONE]":
                     done = True
                 elif line.startswith("data: "):
-                    for choice in json.loads(line[6:]).get("choices", []):
-                        if choice.get("delta", {}).get("content"):
+                    event_obj = json.loads(line[6:])
+                    if event_obj.get("usage"):  # the final chunk: how many tokens were generated
+                        tokens = event_obj["usage"]["completion_tokens"]
+                    for choice in event_obj.get("choices", []):
+                        if choice.get("delta", {}).get("content"):  # deltas may carry several tokens
                             now = time.monotonic()
                             first = first if first is not None else now
                             last = now
-                            tokens += 1
         r = Result(tier, 200, tokens=tokens, done=done)
         if first is not None:
             r.ttft_s = first - t0
@@ -118,8 +122,8 @@ def test_a_bronze_burst_does_not_slow_gold_and_is_refused_rather_than_served_lat
           f"burst gold: ttft p90 {p90(gold_ttft):.3f} s (all {sorted(round(t, 2) for t in gold_ttft)}), "
           f"tpot p50 {statistics.median(gold_tpot):.3f} s; bronze admitted {len(admitted)}, refused "
           f"{len(refused)} {sorted({r.status for r in refused})}, bronze ttft max "
-          f"{max((r.ttft_s or 0) for r in admitted):.2f} s")
-    print([(r.status, r.tokens, r.done) for r in gold])
+          f"{max((r.ttft_s or 0) for r in admitted):.2f} s, bronze late "
+          f"{sum(1 for r in admitted if (r.ttft_s or 0) > 10.0)}")
     # Every admitted request completes; gold is never refused.
     assert all(r.status == 200 and r.done and r.tokens == GOLD_TOKENS for r in gold)
     assert all(r.done and r.tokens == BRONZE_TOKENS for r in admitted)
@@ -130,3 +134,9 @@ def test_a_bronze_burst_does_not_slow_gold_and_is_refused_rather_than_served_lat
     assert refused, "a burst beyond bronze's target must be refused"
     assert all(r.status == 429 and r.retry_after for r in refused)
     assert admitted
+    # Most admitted bronze start within bronze's 10 s target. Not all yet: the burst is judged before
+    # the engine has run a batch of more than one sequence, so the per-sequence cost is a guess, and
+    # admission cannot see the gold requests that will hold bronze's decodes back (see the
+    # edged_ttft_prediction_* metrics).
+    late = [r for r in admitted if (r.ttft_s or 0) > 10.0]
+    assert len(late) <= len(admitted) // 2

@@ -10,6 +10,8 @@ Definitions (all times in seconds inside, milliseconds in the table and JSON):
 - end-to-end: request sent -> last byte of the response.
 - SLA attainment: share of admitted requests whose TTFT <= the tier's target (an admitted request
   that never produced a token missed it).
+- TPOT attainment: share of completed requests (two or more output tokens) whose TPOT <= the tier's
+  time-per-output-token target.
 - goodput: requests per second that were admitted and met their TTFT target.
 - throughput: completed requests per second and output tokens per second over the phase's wall time.
 - token events: SSE data events that carry generated text (one token each when the server keeps up,
@@ -90,7 +92,8 @@ def latency_summary(values: Sequence[float]) -> dict[str, Any]:
     return out
 
 
-def summarize_tier(results: Sequence[RequestResult], duration_s: float, target_ms: float | None) -> dict[str, Any]:
+def summarize_tier(results: Sequence[RequestResult], duration_s: float, target_ms: float | None,
+                   tpot_target_ms: float | None = None) -> dict[str, Any]:
     """Statistics for one tier's (or all) requests of one phase."""
     admitted = [r for r in results if r.admitted]
     completed = [r for r in admitted if r.completed]
@@ -127,16 +130,26 @@ def summarize_tier(results: Sequence[RequestResult], duration_s: float, target_m
         out["goodput"] = met / dur
     else:
         out["sla_met"] = out["sla_attainment"] = out["goodput"] = None
+    out["tpot_target_ms"] = tpot_target_ms
+    paced = samples["tpot"]
+    if tpot_target_ms is not None:
+        out["tpot_met"] = sum(1 for t in paced if t <= tpot_target_ms / 1000)
+        out["tpot_attainment"] = out["tpot_met"] / len(paced) if paced else None
+    else:
+        out["tpot_met"] = out["tpot_attainment"] = None
     return out
 
 
 def summarize_phase(results: Sequence[RequestResult], duration_s: float, targets_ms: dict[str, float],
                     load: dict[str, Any], tier_order: Iterable[str] = (), handshakes: Sequence[float] = (),
-                    client_cpu_s: Sequence[float] = ()) -> dict[str, Any]:
+                    client_cpu_s: Sequence[float] = (), tpot_targets_ms: dict[str, float] | None = None,
+                    ) -> dict[str, Any]:
     """One phase (one offered load): per-tier statistics plus "all" (SLA against each request's own tier),
     the QUIC handshakes of the phase's connections and each client process's CPU seconds."""
     order = list(dict.fromkeys([*tier_order, *sorted({r.tier for r in results})]))
-    tiers = {t: summarize_tier([r for r in results if r.tier == t], duration_s, targets_ms.get(t))
+    tpot_targets_ms = tpot_targets_ms or {}
+    tiers = {t: summarize_tier([r for r in results if r.tier == t], duration_s, targets_ms.get(t),
+                               tpot_targets_ms.get(t))
              for t in order if any(r.tier == t for r in results)}
     overall = summarize_tier(results, duration_s, None)
     admitted = [r for r in results if r.admitted]
@@ -144,6 +157,9 @@ def summarize_phase(results: Sequence[RequestResult], duration_s: float, targets
     overall["sla_met"] = met
     overall["sla_attainment"] = met / len(admitted) if admitted else None
     overall["goodput"] = met / max(duration_s, 1e-9)
+    paced = [(r.tier, t) for r in results if (t := r.tpot) is not None and r.tier in tpot_targets_ms]
+    overall["tpot_met"] = sum(1 for tier, t in paced if t <= tpot_targets_ms[tier] / 1000)
+    overall["tpot_attainment"] = overall["tpot_met"] / len(paced) if paced else None
     dur = max(duration_s, 1e-9)
     return {"load": load, "duration_s": duration_s, "tiers": tiers, ALL: overall,
             "handshake": latency_summary(handshakes),
@@ -185,7 +201,7 @@ def format_phase(phase: dict[str, Any]) -> str:
     groups = [*phase["tiers"].items(), (ALL, phase[ALL])]
     statuses = sorted({s for _, t in groups for s in t["rejected"]} | {"429", "503"})
     head = ["tier", "sent", "ok", *statuses, "err", "req/s", "tok/s", "target ms", "SLA %", "goodput/s",
-            "handshake p50 ms", "handshake p99 ms"]
+            "TPOT target ms", "TPOT SLA %", "handshake p50 ms", "handshake p99 ms"]
     hs = phase.get("handshake") or {}
     rows = []
     for name, t in groups:
@@ -195,7 +211,8 @@ def format_phase(phase: dict[str, Any]) -> str:
         rows.append([name, str(t["sent"]), str(t["completed"]), *(str(t["rejected"].get(s, 0)) for s in statuses),
                      str(t["errors"]), _fmt(t["request_throughput"], 2), _fmt(t["output_token_throughput"], 1),
                      _fmt(t["ttft_target_ms"], 0), "-" if att is None else f"{100 * att:.1f}",
-                     _fmt(t["goodput"], 2), *hs_cells])
+                     _fmt(t["goodput"], 2), _fmt(t.get("tpot_target_ms"), 0),
+                     "-" if t.get("tpot_attainment") is None else f"{100 * t['tpot_attainment']:.1f}", *hs_cells])
     lat_head = ["tier", "ms", *(f"p{q}" for q in PERCENTILES), "mean", "n"]
     lat_rows = []
     for name, t in groups:

@@ -62,6 +62,7 @@ class BenchConfig:
     output_tokens: int = 32
     dataset: str | None = None
     targets_ms: dict[str, float] = field(default_factory=dict)
+    tpot_targets_ms: dict[str, float] = field(default_factory=dict)
     seed: int = 0
     timeout_s: float = DEFAULT_TIMEOUT_S  # per request
     model: str | None = None
@@ -130,6 +131,13 @@ def default_targets() -> dict[str, float]:
     return {name: t.ttft_target_ms for name, t in default_tiers().items()}
 
 
+def default_tpot_targets() -> dict[str, float]:
+    """Time-per-output-token targets of the built-in tiers (config.yaml's defaults)."""
+    from edged.config import default_tiers
+
+    return {name: t.tpot_target_ms for name, t in default_tiers().items() if t.tpot_target_ms is not None}
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The `bench serve` flags (besides --host/--port/--ca-file/--insecure/--state-dir)."""
     p.add_argument("--rate", help="Poisson arrivals per second; a comma list (0.5,1,2,4) runs one phase per rate "
@@ -141,6 +149,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="tier weights, sent as x-edged-tier (default: %(default)s)")
     p.add_argument("--targets", help="TTFT targets in ms per tier, e.g. gold=500,silver=2000,bronze=10000 "
                                      "(default: config.yaml's built-in tiers)")
+    p.add_argument("--tpot-targets", help="time-per-output-token targets in ms per tier, e.g. gold=40,silver=100 "
+                                          "(default: config.yaml's built-in tiers)")
     p.add_argument("--prompt-tokens", type=int, default=64, help="synthetic prompt length in words (~tokens)")
     p.add_argument("--output-tokens", type=int, default=32, help="tokens generated per synthetic request")
     p.add_argument("--dataset", help="JSONL, one {\"prompt\": ..., \"max_tokens\": ...} per line "
@@ -198,6 +208,9 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     cfg.targets_ms = default_targets()
     if g("targets"):
         cfg.targets_ms.update(parse_weights(g("targets"), "--targets"))
+    cfg.tpot_targets_ms = default_tpot_targets()
+    if g("tpot_targets"):
+        cfg.tpot_targets_ms.update(parse_weights(g("tpot_targets"), "--tpot-targets"))
     cfg.prompt_tokens = int(g("prompt_tokens", 64))
     cfg.output_tokens = int(g("output_tokens", 32))
     if cfg.prompt_tokens <= 0 or cfg.output_tokens <= 0:
@@ -320,7 +333,8 @@ async def run_bench(cfg: BenchConfig, progress: Callable[[str], None] | None = N
             run = await clients.run()
             stop.set()
             phases.append(summarize_phase(run.results, run.duration_s, cfg.targets_ms, load, tier_order=cfg.tier_mix,
-                                          handshakes=run.handshakes, client_cpu_s=run.client_cpu_s))
+                                          handshakes=run.handshakes, client_cpu_s=run.client_cpu_s,
+                                          tpot_targets_ms=cfg.tpot_targets_ms))
             if probe is not None:
                 phases[-1]["handshake_under_load"] = latency_summary(await probe)
             if on_phase:
@@ -334,7 +348,7 @@ def _config_record(cfg: BenchConfig) -> dict[str, Any]:
     return {"host": cfg.host, "port": cfg.port, "rates": cfg.rates, "concurrencies": None if cfg.rates else
             cfg.concurrencies, "requests_per_phase": cfg.requests if not cfg.requests_per_stream else None,
             "requests_per_stream": cfg.requests_per_stream, "tier_mix": cfg.tier_mix,
-            "targets_ms": cfg.targets_ms, "prompt_tokens": None if cfg.dataset else cfg.prompt_tokens,
+            "targets_ms": cfg.targets_ms, "tpot_targets_ms": cfg.tpot_targets_ms, "prompt_tokens": None if cfg.dataset else cfg.prompt_tokens,
             "output_tokens": None if cfg.dataset else cfg.output_tokens, "dataset": cfg.dataset, "seed": cfg.seed,
             "clients": cfg.clients, "streams_per_connection": cfg.streams_per_connection}
 

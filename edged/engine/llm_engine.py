@@ -67,6 +67,7 @@ class LLMEngine:
         self._thread: threading.Thread | None = None
         self.overlap = overlap  # launch step N+1 before reading step N's tokens (CUDA)
         self._inflight: LaunchedStep | None = None
+        self._last_resolved = 0.0  # perf_counter when the last step's tokens were read
 
     # --- called from any thread ---
     def add_request(self, request: GenerationRequest) -> None:
@@ -198,6 +199,7 @@ class LLMEngine:
         return outputs
 
     def _schedule_and_launch(self, prev: LaunchedStep | None) -> tuple[list[StepOutput], LaunchedStep | None]:
+        scheduled_at = time.perf_counter()
         self.blocks.begin_step()  # the host -> device restore budget is per step
         plan = self.batcher.schedule()
         for seq in plan.rejected:
@@ -222,6 +224,9 @@ class LLMEngine:
                 log.exception("engine step failed again %s", fields(batch=len(plan.chunks), error=repr(again)))
                 return outputs + self._fail([c.seq for c in plan.chunks], again), None
         self._advance(launched)
+        # A step's cost starts when it is scheduled: a CPU "launch" computes the whole step, and
+        # scheduling and input preparation are part of what a waiting request waits for.
+        launched.scheduled_at = scheduled_at  # type: ignore[attr-defined]
         return outputs, launched
 
     def _without_culprits(self, plan: StepPlan, prev: LaunchedStep | None) -> tuple[StepPlan, list[StepOutput]]:
@@ -311,7 +316,12 @@ class LLMEngine:
             if chunk.seq.status is not SequenceStatus.FINISHED:
                 self.blocks.commit(chunk.seq)
         self.counters.steps += 1
-        self.counters.last_step_s = time.perf_counter() - launched.launched_at
+        # Wall time this step added: from its scheduling, or from the previous read-back when steps
+        # overlap (step N+1 is scheduled while step N runs): the same figure on CPU and GPU.
+        t = time.perf_counter()
+        self.counters.last_step_s = t - max(getattr(launched, "scheduled_at", launched.launched_at),
+                                            self._last_resolved)
+        self._last_resolved = t
         self.counters.last_batch_size = len(launched.plan.chunks)
         self.batcher.step_done(launched.plan, self.counters.last_step_s)  # step-time model, TTFT per tier
         return outputs

@@ -3,7 +3,9 @@
 Runs on the event loop before a request goes to the engine. For a request of tier T:
 
 * T's queue (admitted, not yet started) is at its `max_queue`: 429 with Retry-After;
-* its predicted time to first token exceeds T's target: 503 with Retry-After.
+* its predicted time to first token exceeds T's target: 429 with Retry-After (code
+  deadline_unreachable): a burst beyond what the tier can serve in time is refused at the door
+  rather than admitted and served late.
 
 The prediction counts what starts before it - all of T's queue (earliest deadline first) and of
 every other tier the share weighted-fair queueing gives it meanwhile - and how fast T's queue
@@ -58,7 +60,7 @@ def weighted_fair_shares(demand: dict[str, float], weights: dict[str, float], ca
 
 
 class AdmissionError(Exception):
-    """A refused request: status 429 (tier queue full) or 503 (deadline unreachable), with the seconds
+    """A refused request: status 429 (code tier_queue_full or deadline_unreachable), with the seconds
     a client should wait (`retry_after_s`; also `retry_after`/`http_status`, which the router maps to an
     OpenAI-style error with a Retry-After header)."""
 
@@ -68,7 +70,7 @@ class AdmissionError(Exception):
         seconds = max(1, math.ceil(retry_after_s))
         self.status = status
         self.message = message
-        self.code = "tier_queue_full" if status == 429 else "deadline_unreachable"
+        self.code = "deadline_unreachable" if reason == "deadline" else "tier_queue_full"
         self.headers = [("retry-after", str(seconds))]
         self.retry_after_s = float(retry_after_s)
         self.retry_after = seconds
@@ -139,17 +141,23 @@ class AdmissionController:
                              f"retry in {max(1, math.ceil(retry))} s.",
                         retry, tier=tier, reason="queue_full", predicted_ttft_s=predicted)
                 target = st.target_s
-                # The drain estimate must leave headroom; the preemption bound is firm.
-                if natural > target * self.headroom and (bound is None or bound + waited > target):
+                # The drain estimate must leave headroom; the preemption bound is firm. A prompt too
+                # long for the target even on an idle engine is not refused for that alone: only when
+                # the queue ahead would delay it well beyond what it costs alone.
+                alone = self.stats.prefill_s(tokens, max(1, board.engine_protected_budget or
+                                                         self.limits.max_batch_tokens), 1)
+                if (natural > max(target * self.headroom, 1.5 * alone)
+                        and (bound is None or bound + waited > max(target, 1.5 * alone))):
                     board.note_rejected(tier, "deadline")
                     retry = self._retry(predicted - target)
                     self._log_reject(request, tier, "deadline", predicted, retry, st.depth)
                     raise AdmissionError(
-                        503, f"The server is overloaded: the '{tier}' tier's time-to-first-token target of "
+                        429, f"The server is overloaded: the '{tier}' tier's time-to-first-token target of "
                              f"{cfg.ttft_target_ms:g} ms cannot be met now (predicted "
                              f"{predicted * 1000:.0f} ms); retry in {max(1, math.ceil(retry))} s.",
                         retry, tier=tier, reason="deadline", predicted_ttft_s=predicted)
-            board.note_admitted(tier, request.request_id, tokens, now)
+            board.note_admitted(tier, request.request_id, tokens, now, predicted_ttft_s=predicted,
+                                max_tokens=request.sampling.max_tokens)
             depth = st.depth
         if log.isEnabledFor(logging.DEBUG):
             log.debug("admitted %s", fields(request_id=request.request_id, tier=tier, tokens=tokens,
@@ -176,8 +184,13 @@ class AdmissionController:
         lower tier gives, or None if there is nothing to preempt)."""
         board, stats = self.board, self.stats
         me = board.tiers[tier]
+        # The step-time cap holds tiers below the protected one; the protected tier and those above it
+        # may start up to the configured cap (lower tiers' decodes give way instead).
         slots = max(1, board.engine_slots or self.limits.max_num_seqs)
         budget = max(1, board.engine_budget or self.limits.max_batch_tokens)
+        if board.engine_cap and me.rank <= board.engine_protected_rank:
+            slots = max(slots, board.engine_cap)
+            budget = max(budget, board.engine_protected_budget)
         running = sum(st.running for st in board.tiers.values())
         # Who starts first: my tier's whole queue (EDF), and of each other tier what weighted fair
         # sharing lets it start while mine works through its queue.
@@ -206,7 +219,11 @@ class AdmissionController:
                 ahead += n
                 ahead_tokens += n * (st.waiting_tokens + sum(t for _, t in st.pending.values())) / depth
         free = max(0, slots - running)
-        slot_s = max(1e-6, stats.mean_service_s(max(running, min(slots, running + int(ahead) + 1))))
+        # A slot is held for the mean output of what runs and waits (per tier, from what it asks and
+        # generates), one step of a full batch per token; or as long as measured, if longer.
+        batch = max(running, min(slots, running + int(ahead) + 1))
+        out_tokens = board.expected_output(stats.mean_output_tokens)
+        slot_s = max(1e-6, stats.mean_service_s(batch), out_tokens * stats.predict_step(0, max(1, batch)))
         capacity = slots / slot_s  # starts per second with the batch full
         # How fast my tier's queue drains: its weighted fair share of the slots, or what was measured
         # while it was backlogged if that is less (preemption, recompute, a slower phase).
@@ -234,5 +251,5 @@ class AdmissionController:
     def _log_reject(request: GenerationRequest, tier: str, reason: str, predicted: float, retry: float,
                     depth: int) -> None:
         log.info("admission refused %s", fields(
-            request_id=request.request_id, tier=tier, reason=reason, status=429 if reason == "queue_full" else 503,
+            request_id=request.request_id, tier=tier, reason=reason, status=429,
             predicted_ttft_ms=round(predicted * 1000, 1), retry_after_s=max(1, math.ceil(retry)), depth=depth))

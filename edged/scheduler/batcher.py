@@ -1,9 +1,22 @@
 """Batch selection: which sequences run in the next engine step, and how many tokens each.
 
-Each step, in this order, within the batch cap (`max_num_seqs`, PCIe-derived), the per-step token
-budget and the free KV blocks:
+Step time is bounded. A step cannot be interrupted, so a request arriving during one waits for it:
+each step, from the learned step cost (step_stats.py: a + b * prompt tokens + c * sequences), the
+batcher derives
+- the bound: `step_fraction` (0.1) of the tightest TTFT target among tiers in use (queued, running or
+  seen in the last minute), and `pace_fraction` (0.75) of the TPOT target of a tier decoding now;
+- the batch cap for starting sequences of tiers below the protected one (the most important tier in
+  use): what fits the bound; the protected tier may start up to the configured cap;
+- the prompt-token budget: what the bound leaves after the decodes (lower tiers), or a quarter of
+  the protected tier's TTFT target (its own prompt, computed in one step rather than in pieces).
+`BatchLimits` (scheduler.batch_cap, scheduler.step_token_budget) stay the upper bounds. The same
+code runs on CPU and GPU: only the measured costs differ.
 
-1. every running sequence that is decoding gets its one token (most important tier first);
+Each step, in this order, within those limits and the free KV blocks:
+
+1. every running sequence that is decoding gets its one token (most important tier first); a
+   lower tier's decode waits a step when it would push the step past the bound, or while the
+   protected tier has a prompt to compute (pace per tier: gold never decodes at bronze's pace);
 2. waiting sequences about to miss their TTFT target ("urgent": a quarter of the target left, or
    less than the time to prefill their tier's queue) start, preempting running sequences of
    *lower* tiers if slots or blocks are short (a free slot goes to an urgent request only if no
@@ -31,7 +44,7 @@ from edged.engine.block_manager import BlockManager
 from edged.engine.sequence import Sequence, SequenceStatus
 from edged.log import fields
 
-from .step_stats import StepStats
+from .step_stats import StepModel, StepStats
 from .tiers import AdaptPolicy, Entry, TierBoard, TierScheduler
 
 log = logging.getLogger("edged.scheduler")
@@ -90,7 +103,8 @@ class Batcher:
                  default_tier: str | None = None, *, clock: Callable[[], float] = time.monotonic,
                  step_stats: StepStats | None = None, board: TierBoard | None = None,
                  preemption: str = "recompute", urgency_fraction: float = 0.25, max_preemptions: int = 3,
-                 policy: AdaptPolicy | None = None) -> None:
+                 policy: AdaptPolicy | None = None, step_fraction: float = 0.1, pace_fraction: float = 0.75,
+                 min_prefill_tokens: int = 8, in_use_s: float = 60.0) -> None:
         self.blocks = blocks
         self.limits = limits
         self.clock = clock
@@ -103,6 +117,20 @@ class Batcher:
             log.warning("scheduler.preemption=swap is not implemented yet; preempting by recompute")
         self.urgency_fraction = urgency_fraction
         self.max_preemptions = max_preemptions
+        self.step_fraction = step_fraction
+        self.pace_fraction = pace_fraction
+        self.min_prefill_tokens = min_prefill_tokens
+        self.in_use_s = in_use_s
+        # This step's derived limits (see _derive_limits); also read by tests and admission.
+        self.step_bound_s = float("inf")
+        self.seq_cap = limits.max_num_seqs
+        self.prefill_budget = limits.max_batch_tokens  # prompt tokens per step for tiers below the protected one
+        self.protected_budget = limits.max_batch_tokens  # ... for the protected tier and above
+        self.protected_step_fraction = 0.25  # its prompt may take a step up to this share of its TTFT target
+        self.protected_rank = 0
+        self.protected_ttft_s = float("inf")
+        self.pace_bound = False  # this step's bound is the protected tier's pace
+        self.deferred_decodes = 0  # decodes held back a step to keep a higher tier's pace (total)
         self.max_batch_seen = 0  # the largest batch any step ran (tests: never above the cap)
         self.steps_planned = 0
         self._rejects: list[Sequence] = []
@@ -112,6 +140,7 @@ class Batcher:
         self._plan = StepPlan()
         self._chunks: dict[Sequence, ScheduledChunk] = {}
         self._budget = 0
+        self._lower_left = 0  # prompt tokens left this step for tiers below the protected one
         self._now = 0.0
         self._kv_blocked = False
 
@@ -156,9 +185,13 @@ class Batcher:
             elif seq.finish_reason is None:
                 self.board.note_cancelled_waiting(e.tier)
             if seq.finish_reason is not None:
+                self.board.note_generated(e.tier, seq.num_generated, seq.request.sampling.max_tokens)
                 self.step_stats.record_finished(seq.num_generated,
                                                 None if e.started_at is None else self.clock() - e.started_at)
             self._maybe_record_ttft(e, self.clock())
+            self._maybe_record_tpot(e, self.clock())
+            if not e.ttft_recorded:
+                self.board.forget_prediction(seq.request_id)
         self.blocks.release(seq)
 
     # --- the step plan ---
@@ -172,6 +205,15 @@ class Batcher:
         self._plan.chunks.append(chunk)
         self._chunks[seq] = chunk
         self._budget -= n
+        if n > 1 and self.queues.rank_of(self.queues.entries[seq]) > self.protected_rank:
+            self._lower_left -= n
+
+    def _room(self, seq: Sequence) -> int:
+        """Prompt tokens seq may compute this step: the protected tier's prompt may fill its longer
+        step; lower tiers' chunks stay within the step bound."""
+        if self.queues.rank_of(self.queues.entries[seq]) <= self.protected_rank:
+            return self._budget
+        return min(self._budget, self._lower_left)
 
     def _preempt(self, victim: Sequence, why: str, for_seq: Sequence | None = None) -> None:
         """Release victim's blocks and queue it again (recompute later, same deadline)."""
@@ -247,7 +289,7 @@ class Batcher:
 
     def _urgent_fn(self, running_before: int) -> Callable[[Entry], bool]:
         m = self.step_stats.model
-        now, budget, frac = self._now, max(1, self.limits.max_batch_tokens), self.urgency_fraction
+        now, budget, frac = self._now, max(1, self.prefill_budget, self.protected_budget), self.urgency_fraction
         step = m.a + m.c * (running_before + 1)
 
         def urgent(e: Entry) -> bool:
@@ -268,7 +310,7 @@ class Batcher:
     def _eligible_fn(self, idle: bool) -> Callable[[str, Entry], bool]:
         """The batch window: may tier start its head now?"""
         now = self._now
-        free = max(0, self.limits.max_num_seqs - len(self.running))
+        free = max(0, min(self.limits.max_num_seqs, self.seq_cap) - len(self.running))
 
         def eligible(tier: str, head: Entry) -> bool:
             if idle or head.started:
@@ -300,6 +342,13 @@ class Batcher:
             else:
                 return
             seq = e.seq
+            # The step-time cap on the batch holds back tiers below the protected one; a more
+            # important arrival may exceed it (lower tiers' decodes are then deferred instead).
+            if not full and len(self.running) >= self.seq_cap and rank(e) > self.protected_rank:
+                if is_urgent:
+                    skip.add(e.tier)
+                    continue
+                return
             if full:
                 if is_urgent and self._preempt_for(e):
                     continue
@@ -307,8 +356,11 @@ class Batcher:
                     skip.add(e.tier)  # nothing below it to preempt
                     continue
                 return
+            if self._room(seq) <= 0:
+                skip.add(e.tier)  # no prompt room left for this tier this step
+                continue
             self.blocks.attach_prefix(seq)
-            n = min(seq.num_uncomputed, self._budget)
+            n = min(seq.num_uncomputed, self._room(seq))
             if not self.blocks.allocate(seq, seq.num_computed + n):
                 self.blocks.release(seq)  # drop the prefix references taken above
                 if is_urgent and self._preempt_for(e):
@@ -341,12 +393,35 @@ class Batcher:
         # The cap may have been lowered live: the least important sequences give way.
         while len(self.running) > cap:
             self._preempt(max(self.running, key=self._prio), "batch_cap")
-        # 1. Decodes, most important first.
+        m = self._derive_limits(now)
+        # 1. Decodes, most important first. Those of the protected tier (the most important in use) and
+        # above always run; a lower tier's decode waits a step if it would push the step past the bound.
+        # While the protected tier has a prompt to compute, lower tiers' decodes wait: its first token
+        # then costs what it costs on an idle engine (they lose one step per such arrival).
+        reserve = self.step_bound_s if self._protected_prefill_waiting() else 0.0
+        decodes = 0
         for seq in sorted(self.running, key=self._prio):
             if self._budget <= 0:
                 break
-            if seq in self.running and seq.num_uncomputed == 1 and self._grow(seq, 1):
+            if seq not in self.running or seq.num_uncomputed != 1:
+                continue
+            if (decodes and self.queues.rank_of(self.queues.entries[seq]) > self.protected_rank
+                    and m.a + max(m.c, m.b) * (decodes + 1) + reserve > self.step_bound_s):
+                self.deferred_decodes += 1
+                continue
+            if self._grow(seq, 1):
                 self._add_chunk(seq, 1)
+                decodes += 1
+        # Prompt tokens this step: what the bound leaves after the decodes (at least a small chunk, so
+        # prefill always progresses), within the configured budget.
+        # Lower tiers' prompts always progress by a small chunk, except while a pace is protected:
+        # then they wait for room, as their decodes do.
+        self.prefill_budget = self._prefill_tokens(m, len(plan.chunks), self.step_bound_s,
+                                                   0 if self.pace_bound else None)
+        self._lower_left = self.prefill_budget
+        self.protected_budget = self._prefill_tokens(m, len(plan.chunks), max(
+            self.step_bound_s, self.protected_ttft_s * self.protected_step_fraction))
+        self._budget = min(self._budget, max(self.prefill_budget, self.protected_budget))
         # 2. Urgent waiting requests (may preempt lower tiers).
         urgent = self._urgent_fn(running_before)
         self._start_waiting(True, idle, urgent)
@@ -355,7 +430,9 @@ class Batcher:
             if self._budget <= 0:
                 break
             if seq in self.running and seq not in self._chunks and seq.num_uncomputed > 0:
-                n = min(seq.num_uncomputed, self._budget)
+                n = min(seq.num_uncomputed, self._room(seq))
+                if n <= 0:
+                    continue
                 if self._grow(seq, n):
                     self._add_chunk(seq, n)
         # 4. Weighted-fair starts.
@@ -364,9 +441,54 @@ class Batcher:
         self.steps_planned += 1
         # While KV blocks rather than the cap bound the batch, admission counts the slots actually usable.
         kv_bound = self._kv_blocked and len(self.running) < cap
-        self.board.publish_engine(slots=max(1, len(self.running)) if kv_bound else cap,
-                                  budget=self.limits.max_batch_tokens, running=len(self.running))
+        slots = max(1, len(self.running)) if kv_bound else min(cap, self.seq_cap)
+        # Admission sees at least the small chunk: the pace hold that may stop lower tiers' prompts
+        # lasts only while a higher tier decodes.
+        self.board.publish_engine(slots=slots, budget=max(1, self.min_prefill_tokens, self.prefill_budget),
+                                  running=len(self.running),
+                                  cap=max(1, len(self.running)) if kv_bound else cap,
+                                  protected_rank=self.protected_rank,
+                                  protected_budget=max(1, self.protected_budget))
         return plan
+
+    def _derive_limits(self, now: float) -> StepModel:
+        """This step's time bound and the batch size it allows, from the learned step model.
+
+        A step cannot be interrupted, so a request arriving during it waits for it: the bound is
+        step_fraction of the tightest TTFT target among the tiers in use (queued, running or seen in
+        the last in_use_s), and pace_fraction of the tightest TPOT target among tiers decoding now. The
+        batch cap for starting sequences of tiers below the protected one (the most important tier in
+        use) is what fits the bound beside a small prefill chunk; the configured cap stays the limit."""
+        m = self.step_stats.model
+        tiers = self.board.in_use(now, self.in_use_s) or list(self.board.tiers.values())
+        bound = min(st.target_s for st in tiers) * self.step_fraction
+        self.pace_bound = False
+        for st in tiers:
+            if st.running and st.tpot_target_s is not None and st.tpot_target_s * self.pace_fraction < bound:
+                bound = st.tpot_target_s * self.pace_fraction
+                self.pace_bound = st.rank == min(t.rank for t in tiers)
+        self.step_bound_s = bound
+        self.protected_rank = min(st.rank for st in tiers)
+        self.protected_ttft_s = min(st.target_s for st in tiers if st.rank == self.protected_rank)
+        cap = max(1, self.limits.max_num_seqs)
+        # A decode row costs at least what a prompt token does (one token through the model, plus its
+        # attention): the guard keeps a noisy fit (c near 0) from opening the whole batch.
+        c = max(m.c, m.b)
+        self.seq_cap = cap if c <= 0 else max(1, min(cap, int((bound - m.a) / c)))
+        return m
+
+    def _protected_prefill_waiting(self) -> bool:
+        """Does a sequence of the protected tier (or above) wait to start or have prompt left?"""
+        for name, st in self.board.tiers.items():
+            if st.rank <= self.protected_rank and self.queues.tier_waiting(name):
+                return True
+        return any(s.num_uncomputed > 1 and self.queues.rank_of(self.queues.entries[s]) <= self.protected_rank
+                   for s in self.running)
+
+    def _prefill_tokens(self, m: StepModel, batch: int, bound_s: float, floor: int | None = None) -> int:
+        left = bound_s - m.a - max(m.c, m.b) * (batch + 1)
+        n = self.limits.max_batch_tokens if m.b <= 0 else int(left / m.b)
+        return max(self.min_prefill_tokens if floor is None else floor, min(n, self.limits.max_batch_tokens))
 
     def step_done(self, plan: StepPlan, duration_s: float) -> None:
         """The engine ran `plan` in duration_s: update the step-time model and record first tokens."""
@@ -384,10 +506,21 @@ class Batcher:
             return
         e.ttft_recorded = True
         ttft = seq.first_token_at - seq.request.arrival_time
-        if not self.board.record_ttft(e.tier, ttft, now):
+        if not self.board.record_ttft(e.tier, ttft, now, seq.request_id):
             log.info("ttft target missed %s", fields(
                 request_id=seq.request_id, tier=e.tier, ttft_ms=round(ttft * 1000, 1),
                 target_ms=self.board.tiers[e.tier].config.ttft_target_ms))
+
+    def _maybe_record_tpot(self, e: Entry, now: float) -> None:
+        """A finished sequence's pace: mean time per output token after its first."""
+        seq = e.seq
+        if seq.finish_reason is None or seq.first_token_at is None or seq.num_generated < 2:
+            return
+        tpot = max(0.0, now - seq.first_token_at) / (seq.num_generated - 1)
+        if self.board.record_tpot(e.tier, tpot, now) is False:
+            log.info("tpot target missed %s", fields(
+                request_id=seq.request_id, tier=e.tier, tpot_ms=round(tpot * 1000, 1),
+                target_ms=self.board.tiers[e.tier].config.tpot_target_ms))
 
     def _adapt(self, now: float) -> None:
         self.queues.tick(now)

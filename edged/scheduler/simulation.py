@@ -141,7 +141,7 @@ class SimReport:
     window_history: dict[str, list[tuple[float, float]]]  # tier -> [(time, window_ms)] at each change
 
     def table(self) -> str:
-        lines = [f"{'tier':8} {'offered':>7} {'admit':>6} {'429':>5} {'503':>5} {'done':>6} {'attain':>7} "
+        lines = [f"{'tier':8} {'offered':>7} {'admit':>6} {'full':>5} {'late':>5} {'done':>6} {'attain':>7} "
                  f"{'p50ms':>7} {'p99ms':>7}"]
         for name, r in self.tiers.items():
             p50, p99 = r.ttft_quantile(0.5), r.ttft_quantile(0.99)

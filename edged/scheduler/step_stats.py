@@ -13,9 +13,11 @@ import threading
 from dataclasses import dataclass
 
 # Feature scales: the fit runs on (1, prefill_tokens / P_SCALE, batch_size / N_SCALE) so that the
-# ridge prior weighs each coefficient alike.
-P_SCALE = 512.0
-N_SCALE = 32.0
+# ridge prior weighs each coefficient alike. Small scales, so that a few short prompts or small
+# batches (a CPU, or a quiet GPU) already outweigh the fading prior: a first burst is then judged with
+# measured costs, not the prior's.
+P_SCALE = 16.0
+N_SCALE = 4.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,7 +29,9 @@ class StepModel:
     c: float = 0.001  # per sequence in the batch (decode attention, KV reads)
 
     def __call__(self, prefill_tokens: float, batch_size: float) -> float:
-        return max(0.0, self.a + self.b * prefill_tokens + self.c * batch_size)
+        # A sequence in the batch computes at least one token: never cheaper than a prompt token
+        # (guards a fit that has seen only one batch size, where c is not identifiable).
+        return max(0.0, self.a + self.b * prefill_tokens + max(self.c, self.b) * batch_size)
 
 
 def _solve3(m: list[list[float]], v: list[float]) -> list[float] | None:

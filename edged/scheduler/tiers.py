@@ -42,6 +42,7 @@ Clock = Callable[[], float]
 # Upper bounds (seconds) of the cumulative TTFT histogram in snapshots (Prometheus `le` buckets).
 TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, math.inf)
 REJECT_REASONS = ("queue_full", "deadline", "kv_capacity")
+EWMA = 0.05  # weight of a new sample in the per-tier output-length averages
 
 
 def tier_ranks(tiers: dict[str, TierConfig]) -> dict[str, int]:
@@ -119,6 +120,23 @@ class TierState:
     last_adapt: float = -math.inf
     admit_rate: DecayingRate = field(default_factory=DecayingRate)  # admitted requests per second
     backlog_rate: float | None = None  # starts per second while backlogged (measured; None: too little data)
+    # Output tokens a request of this tier generates: the mean max_tokens asked at the door times the
+    # measured share of it actually generated (EOS, stop strings). Admission's slot-time estimate.
+    asked_tokens: float = 0.0
+    asked_n: int = 0
+    generated_share: float = 1.0
+    generated_n: int = 0
+    last_seen: float = -math.inf  # last admission or arrival at the engine: the tier is "in use" for a while
+    # Pace: per finished sequence, mean time per output token after the first, against tpot_target_ms.
+    tpot_count: int = 0
+    tpot_sum_s: float = 0.0
+    tpot_met: int = 0
+    tpot_recent: deque[tuple[float, float, bool]] = field(default_factory=deque)  # (time, tpot_s, met)
+    # Admission's predicted TTFT vs the one observed (observed - predicted), per request.
+    predicted: dict[str, float] = field(default_factory=dict)  # request id -> predicted TTFT (s)
+    prediction_count: int = 0
+    prediction_error_sum_s: float = 0.0  # signed: > 0 when admission was optimistic
+    prediction_abs_error_sum_s: float = 0.0
 
     @property
     def depth(self) -> int:
@@ -127,6 +145,14 @@ class TierState:
     @property
     def target_s(self) -> float:
         return self.config.ttft_target_ms / 1000.0
+
+    def expected_output(self) -> float | None:
+        return self.asked_tokens * self.generated_share if self.asked_n else None
+
+    @property
+    def tpot_target_s(self) -> float | None:
+        t = self.config.tpot_target_ms
+        return None if t is None else t / 1000.0
 
 
 class TierBoard:
@@ -145,6 +171,11 @@ class TierBoard:
         self.engine_slots = 0
         self.engine_budget = 0
         self.engine_running = 0
+        # The configured batch cap, and the most important tier in use: it (and tiers above it) may
+        # start beyond engine_slots, the step-time cap that holds lower tiers.
+        self.engine_cap = 0
+        self.engine_protected_rank = 0
+        self.engine_protected_budget = 0
         self.reconfigure(tiers if tiers is not None else default_tiers(),
                          default_tier if default_tier is not None else SchedulerConfig().default_tier)
 
@@ -204,12 +235,19 @@ class TierBoard:
         self._observers.append(fn)
 
     # --- admission side (event loop) ---
-    def note_admitted(self, tier: str, request_id: str, tokens: int, now: float) -> None:
+    def note_admitted(self, tier: str, request_id: str, tokens: int, now: float,
+                      predicted_ttft_s: float | None = None, max_tokens: int | None = None) -> None:
         with self.lock:
             st = self.tiers[tier]
+            if max_tokens is not None and max_tokens > 0:
+                st.asked_n += 1
+                st.asked_tokens += max(EWMA, 1.0 / st.asked_n) * (max_tokens - st.asked_tokens)
             st.pending[request_id] = (now, tokens)
             st.admitted += 1
             st.admit_rate.add(now)
+            st.last_seen = now
+            if predicted_ttft_s is not None and math.isfinite(predicted_ttft_s):
+                st.predicted[request_id] = predicted_ttft_s
 
     def note_rejected(self, tier: str, reason: str) -> None:
         with self.lock:
@@ -221,6 +259,22 @@ class TierBoard:
         with self.lock:
             for st in self.tiers.values():
                 if st.pending.pop(request_id, None) is not None:
+                    st.predicted.pop(request_id, None)
+                    return
+
+    def release_pending_keep_prediction(self, request_id: str) -> None:
+        """The admitted request reached the engine: it no longer counts as pending (its predicted TTFT
+        stays until its first token)."""
+        with self.lock:
+            for st in self.tiers.values():
+                if st.pending.pop(request_id, None) is not None:
+                    return
+
+    def forget_prediction(self, request_id: str) -> None:
+        """The request left without a first token (cancelled, rejected): no prediction error to record."""
+        with self.lock:
+            for st in self.tiers.values():
+                if st.predicted.pop(request_id, None) is not None:
                     return
 
     def expire_pending(self, now: float, ttl_s: float) -> None:
@@ -229,13 +283,15 @@ class TierBoard:
                 stale = [rid for rid, (t, _) in st.pending.items() if now - t > ttl_s]
                 for rid in stale:
                     del st.pending[rid]
+                    st.predicted.pop(rid, None)
 
     # --- engine side ---
     def note_enqueued(self, tier: str, request_id: str, tokens: int, first_time: bool) -> None:
         with self.lock:
             st = self.tiers[tier]
             if first_time:
-                self.release_pending(request_id)
+                self.release_pending_keep_prediction(request_id)
+                st.last_seen = max(st.last_seen, self.clock())
             st.waiting += 1
             st.waiting_tokens += tokens
 
@@ -266,9 +322,13 @@ class TierBoard:
         with self.lock:
             self.tiers[tier].cancelled += 1
 
-    def publish_engine(self, slots: int, budget: int, running: int) -> None:
+    def publish_engine(self, slots: int, budget: int, running: int, cap: int | None = None,
+                       protected_rank: int = 0, protected_budget: int | None = None) -> None:
         with self.lock:
             self.engine_slots, self.engine_budget, self.engine_running = slots, budget, running
+            self.engine_cap = slots if cap is None else cap
+            self.engine_protected_rank = protected_rank
+            self.engine_protected_budget = budget if protected_budget is None else protected_budget
 
     def move_queued(self, src: str, dst: str, count: int, tokens: int) -> None:
         """Account for waiting sequences of a removed tier now queued in another tier."""
@@ -277,11 +337,21 @@ class TierBoard:
             st.waiting += count
             st.waiting_tokens += tokens
 
-    def record_ttft(self, tier: str, ttft_s: float, now: float) -> bool:
+    def record_ttft(self, tier: str, ttft_s: float, now: float, request_id: str | None = None) -> bool:
         """A first token was produced ttft_s after the request arrived; returns whether it met the target."""
         with self.lock:
             st = self.tiers[tier]
             met = ttft_s <= st.target_s
+            predicted = None
+            if request_id is not None:
+                for other in self.tiers.values():  # a reload may have moved it to another tier
+                    if (predicted := other.predicted.pop(request_id, None)) is not None:
+                        break
+            if predicted is not None:
+                err = ttft_s - predicted
+                st.prediction_count += 1
+                st.prediction_error_sum_s += err
+                st.prediction_abs_error_sum_s += abs(err)
             st.ttft_count += 1
             st.ttft_sum_s += ttft_s
             st.ttft_met += met
@@ -299,11 +369,58 @@ class TierBoard:
                 log.exception("ttft observer failed")
         return met
 
+    def note_generated(self, tier: str, generated: int, max_tokens: int) -> None:
+        """A finished sequence generated this many of the max_tokens it asked for."""
+        if max_tokens <= 0:
+            return
+        with self.lock:
+            st = self.tiers[tier]
+            st.generated_n += 1
+            # The prior (1.0: all of it) counts as one sample until there are enough real ones.
+            st.generated_share += max(EWMA, 1.0 / (st.generated_n + 1)) * (
+                min(1.0, generated / max_tokens) - st.generated_share)
+
+    def expected_output(self, default: float) -> float:
+        """Mean output tokens of the sequences running or queued now (default where a tier has no
+        history): how long a batch slot stays taken."""
+        with self.lock:
+            n = tot = 0.0
+            for st in self.tiers.values():
+                k = st.running + st.depth
+                if k:
+                    e = st.expected_output()
+                    tot += k * (default if e is None else e)
+                    n += k
+            return tot / n if n else default
+
+    def record_tpot(self, tier: str, tpot_s: float, now: float) -> bool | None:
+        """A sequence finished at a mean of tpot_s per output token after its first; returns whether it
+        met the tier's pace target (None: the tier has none)."""
+        with self.lock:
+            st = self.tiers[tier]
+            target = st.tpot_target_s
+            met = target is None or tpot_s <= target
+            st.tpot_count += 1
+            st.tpot_sum_s += tpot_s
+            st.tpot_met += met
+            st.tpot_recent.append((now, tpot_s, met))
+            self._prune(st, now)
+            return None if target is None else met
+
+    def in_use(self, now: float, horizon_s: float) -> list[TierState]:
+        """Tiers with requests queued, running or pending, or seen within horizon_s: the promises a step
+        must keep (a tier idle for longer does not hold the others' steps short)."""
+        with self.lock:
+            return [st for st in self.tiers.values()
+                    if st.depth or st.running or now - st.last_seen <= horizon_s]
+
     # --- attainment and the adaptive window ---
     def _prune(self, st: TierState, now: float) -> None:
         horizon = now - self.policy.window_s
         while st.recent and st.recent[0][0] < horizon:
             st.recent.popleft()
+        while st.tpot_recent and st.tpot_recent[0][0] < horizon:
+            st.tpot_recent.popleft()
 
     def _attainment(self, st: TierState) -> tuple[float, int]:
         """(fraction of recent first tokens within target, counting overdue waiters as misses; samples)."""
@@ -403,6 +520,17 @@ class TierBoard:
                     "ttft_recent_p50_s": _quantile(recent, 0.50),
                     "ttft_recent_p90_s": _quantile(recent, 0.90),
                     "ttft_recent_p99_s": _quantile(recent, 0.99),
+                    "tpot_target_ms": cfg.tpot_target_ms,
+                    "tpot_count": st.tpot_count,
+                    "tpot_sum_s": st.tpot_sum_s,
+                    "tpot_met": st.tpot_met,
+                    "tpot_missed": st.tpot_count - st.tpot_met,
+                    "tpot_attainment": (sum(1 for _, _, m in st.tpot_recent if m) / len(st.tpot_recent)
+                                        if st.tpot_recent else 1.0),
+                    "tpot_samples": len(st.tpot_recent),
+                    "ttft_prediction_count": st.prediction_count,
+                    "ttft_prediction_error_sum_s": st.prediction_error_sum_s,
+                    "ttft_prediction_abs_error_sum_s": st.prediction_abs_error_sum_s,
                 }
         return out
 
