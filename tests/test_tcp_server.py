@@ -470,3 +470,22 @@ def test_client_that_stops_reading_is_dropped(certs, proto):
             assert wait_until(lambda: "sent" in done, timeout=20)  # the handler's write said "gone"
     # bounded by the client's window / the socket buffers, not by how much the handler had
     assert done["sent"] < 64 << 20
+
+
+def test_bind_tcp_shares_the_udp_port_number():
+    from edged.daemon import bind_tcp, bind_udp
+
+    udp = bind_udp("127.0.0.1", 0, 2)
+    port = udp[0].getsockname()[1]
+    tcp = bind_tcp("127.0.0.1", port, 2)
+    try:
+        assert {s.getsockname()[1] for s in tcp} == {port}
+        assert all(s.type == socket.SOCK_STREAM for s in tcp)
+        with socket.socket() as taken:  # a TCP port held by someone else (no SO_REUSEPORT)
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            with pytest.raises(OSError, match="cannot listen on tcp 127.0.0.1"):
+                bind_tcp("127.0.0.1", taken.getsockname()[1], 2)
+    finally:
+        for s in udp + tcp:
+            s.close()
