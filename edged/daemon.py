@@ -301,7 +301,8 @@ class Daemon:
             stop.cancel()
 
     def _status(self) -> str:
-        return (f"serving {self.info.model_id if self.info else '?'} on {self.config.server.listen} (h3), "
+        protocols = "h3 + h2/http1.1" if self.config.server.tcp else "h3"
+        return (f"serving {self.info.model_id if self.info else '?'} on {self.config.server.listen} ({protocols}), "
                 f"{len(self.workers)} workers")
 
     async def _shutdown(self, code: int) -> int:
