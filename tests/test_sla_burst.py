@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from helpers.daemon import DaemonProcess, start_daemon
 
 from edged.server.h3_client import H3Client, HTTPError
-from helpers.daemon import DaemonProcess, start_daemon
 
 pytestmark = pytest.mark.slow
 

@@ -348,7 +348,8 @@ def _config_record(cfg: BenchConfig) -> dict[str, Any]:
     return {"host": cfg.host, "port": cfg.port, "rates": cfg.rates, "concurrencies": None if cfg.rates else
             cfg.concurrencies, "requests_per_phase": cfg.requests if not cfg.requests_per_stream else None,
             "requests_per_stream": cfg.requests_per_stream, "tier_mix": cfg.tier_mix,
-            "targets_ms": cfg.targets_ms, "tpot_targets_ms": cfg.tpot_targets_ms, "prompt_tokens": None if cfg.dataset else cfg.prompt_tokens,
+            "targets_ms": cfg.targets_ms, "tpot_targets_ms": cfg.tpot_targets_ms,
+            "prompt_tokens": None if cfg.dataset else cfg.prompt_tokens,
             "output_tokens": None if cfg.dataset else cfg.output_tokens, "dataset": cfg.dataset, "seed": cfg.seed,
             "clients": cfg.clients, "streams_per_connection": cfg.streams_per_connection}
 
