@@ -143,11 +143,11 @@ class AdmissionController:
                 target = st.target_s
                 # The drain estimate must leave headroom; the preemption bound is firm. A prompt too
                 # long for the target even on an idle engine is not refused for that alone: only when
-                # the queue ahead would delay it well beyond what it costs alone.
+                # the queue ahead would more than double what it costs alone.
                 alone = self.stats.prefill_s(tokens, max(1, board.engine_protected_budget or
                                                          self.limits.max_batch_tokens), 1)
-                if (natural > max(target * self.headroom, 1.5 * alone)
-                        and (bound is None or bound + waited > max(target, 1.5 * alone))):
+                if (natural > max(target * self.headroom, 2 * alone)
+                        and (bound is None or bound + waited > max(target, 2 * alone))):
                     board.note_rejected(tier, "deadline")
                     retry = self._retry(predicted - target)
                     self._log_reject(request, tier, "deadline", predicted, retry, st.depth)

@@ -124,6 +124,8 @@ class Batcher:
         # This step's derived limits (see _derive_limits); also read by tests and admission.
         self.step_bound_s = float("inf")
         self.seq_cap = limits.max_num_seqs
+        self.admission_cap = limits.max_num_seqs  # the lower tiers' batch cap admission counts on
+        self.pace_share = 0.0  # decaying share of recent steps bounded by the protected tier's pace
         self.prefill_budget = limits.max_batch_tokens  # prompt tokens per step for tiers below the protected one
         self.protected_budget = limits.max_batch_tokens  # ... for the protected tier and above
         self.protected_step_fraction = 0.25  # its prompt may take a step up to this share of its TTFT target
@@ -441,7 +443,7 @@ class Batcher:
         self.steps_planned += 1
         # While KV blocks rather than the cap bound the batch, admission counts the slots actually usable.
         kv_bound = self._kv_blocked and len(self.running) < cap
-        slots = max(1, len(self.running)) if kv_bound else min(cap, self.seq_cap)
+        slots = max(1, len(self.running)) if kv_bound else min(cap, self.admission_cap)
         # Admission sees at least the small chunk: the pace hold that may stop lower tiers' prompts
         # lasts only while a higher tier decodes.
         self.board.publish_engine(slots=slots, budget=max(1, self.min_prefill_tokens, self.prefill_budget),
@@ -461,7 +463,7 @@ class Batcher:
         use) is what fits the bound beside a small prefill chunk; the configured cap stays the limit."""
         m = self.step_stats.model
         tiers = self.board.in_use(now, self.in_use_s) or list(self.board.tiers.values())
-        bound = min(st.target_s for st in tiers) * self.step_fraction
+        bound = ttft_bound = min(st.target_s for st in tiers) * self.step_fraction
         self.pace_bound = False
         for st in tiers:
             if st.running and st.tpot_target_s is not None and st.tpot_target_s * self.pace_fraction < bound:
@@ -475,6 +477,18 @@ class Batcher:
         # attention): the guard keeps a noisy fit (c near 0) from opening the whole batch.
         c = max(m.c, m.b)
         self.seq_cap = cap if c <= 0 else max(1, min(cap, int((bound - m.a) / c)))
+        # What admission counts on for lower tiers: the cap with the protected tier's pace held, in the
+        # share of recent steps that held it (its requests may decode at any time while a lower tier's
+        # queue drains; a burst is judged before it shows).
+        self.pace_share += 0.02 * (float(self.pace_bound) - self.pace_share)
+        paced = min([ttft_bound] + [st.tpot_target_s * self.pace_fraction for st in tiers
+                                    if st.tpot_target_s is not None and st.rank == self.protected_rank])
+        if c <= 0:
+            self.admission_cap = cap
+        else:
+            free_cap = min(cap, int((ttft_bound - m.a) / c))
+            paced_cap = min(cap, int((paced - m.a) / c))
+            self.admission_cap = max(1, round(self.pace_share * paced_cap + (1 - self.pace_share) * free_cap))
         return m
 
     def _protected_prefill_waiting(self) -> bool:
