@@ -33,7 +33,8 @@ class TextDelta:
 
 class EngineRefused(Exception):
     """The engine core refused a request before running it (SLA admission, rate limit): `http_status`
-    429 or 503, `retry_after` seconds and an error `code`, which the router maps to its response."""
+    (429, tier queue full or deadline unreachable), `retry_after` seconds and an error `code`, which the
+    router maps to its response."""
 
     def __init__(self, status: int, code: str | None, message: str, retry_after: float | None) -> None:
         super().__init__(message)

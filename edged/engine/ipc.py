@@ -22,7 +22,7 @@ Messages are msgpack maps with a type "t". Worker -> core:
 Core -> worker:
 
     {"t": "ack", "id", "err"}   the request was admitted (err None) or refused: err = [status,
-                                code, message, retry_after_s] (429 tier queue full, 503 deadline)
+                                code, message, retry_after_s] (429: tier queue full or deadline unreachable)
     {"t": "out", "o": [[id, token_ids, finish_reason, error], ...]}
                                 one message per engine step per worker with every new token of
                                 every stream of that worker (never one message per token)
