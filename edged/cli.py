@@ -4,8 +4,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 DEFAULT_PORT = 4433
+MAKE_RUN_STATE_DIR = ".state"  # the Makefile's STATE_DIR: where `make run` keeps the daemon's certificate
 
 
 def _add_client_flags(p: argparse.ArgumentParser) -> None:
@@ -13,12 +15,16 @@ def _add_client_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="daemon UDP port (default: %(default)s)")
     tls = p.add_mutually_exclusive_group()
     tls.add_argument("--ca-file", help="CA or self-signed certificate to trust (default: the local daemon's "
-                                       "certificate under --state-dir when it exists)")
+                                       "certificate under --state-dir when it exists; chat: else ./.state's, "
+                                       "where `make run` keeps it)")
     tls.add_argument("--insecure", action="store_true", help="do not verify the server certificate")
     p.add_argument("--state-dir", help="where a local daemon keeps its certificate (default: as `serve`)")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(bench_arguments: bool = True) -> argparse.ArgumentParser:
+    """The whole command line. bench_arguments=False leaves out the options of `bench serve`,
+    `bench transport` and `bench engine`, whose modules import numpy and more: `main` skips them
+    for every other command, so that `edged chat` starts in a fraction of a second."""
     parser = argparse.ArgumentParser(
         prog="edged",
         description="Embedded LLM inference daemon for GPU edge nodes: an OpenAI-compatible API over HTTP/3.",
@@ -36,12 +42,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="log verbosity")
 
     chat = sub.add_parser("chat", help="ask the daemon and stream the answer", description=(
-        "Send one chat message to a running edged over HTTP/3 and stream the answer to the terminal."))
-    chat.add_argument("prompt", help="the user message")
+        "Send one chat message to a running edged over HTTP/3 and stream the answer to the terminal. "
+        "Without a message, a conversation: one message per line, the history kept, Ctrl-D to leave. "
+        "Sampling fields not given here take the model's defaults (GET /v1/models shows them)."))
+    chat.add_argument("prompt", nargs="?", help="the user message (default: a conversation on standard input)")
     _add_client_flags(chat)
     chat.add_argument("--system", help="an optional system message")
     chat.add_argument("--max-tokens", type=int, help="most tokens to generate")
-    chat.add_argument("--temperature", type=float, help="0 for greedy decoding")
+    chat.add_argument("--temperature", type=float, help="0 for greedy decoding (default: the model's)")
     chat.add_argument("--api-key", help="API key, when the daemon has auth on")
 
     check = sub.add_parser("check-config", help="validate a config file offline",
@@ -96,24 +104,40 @@ def build_parser() -> argparse.ArgumentParser:
     acc.add_argument("--peer", action="store_true", help="also measure transformers bf16 and fp32 on the same file")
     srv = bench_sub.add_parser("serve", help="load generator over HTTP/3 with per-tier SLA report")
     _add_client_flags(srv)
-    from edged.bench.serve import add_arguments as add_serve_arguments
-    add_serve_arguments(srv)
+    if bench_arguments:
+        from edged.bench.serve import add_arguments as add_serve_arguments
+        add_serve_arguments(srv)
     trn = bench_sub.add_parser(
         "transport", help="the front end alone: a tiny model served by a daemon this starts, swept over concurrency",
         description="Start `edged serve` on a tiny random-weight model (the default model's tokenizer and chat "
                     "template) on a free loopback port, sweep closed-loop concurrency from several client "
                     "processes, and print per phase: token events/s, tokens/s, TTFT, ITL and QUIC handshake "
                     "percentiles, and each daemon process's CPU use. Stops the daemon with SIGTERM at the end.")
-    from edged.bench.transport import add_arguments as add_transport_arguments
-    add_transport_arguments(trn)
+    if bench_arguments:
+        from edged.bench.transport import add_arguments as add_transport_arguments
+        add_transport_arguments(trn)
     eng = bench_sub.add_parser(
         "engine", help="the engine alone under a closed loop of requests (prefill + decode), no HTTP",
         description="Run CONCURRENCY requests at a time through the engine in this process, each finished one "
                     "replaced at once (the load `bench serve --concurrency` puts on the daemon), and print tok/s "
                     "and engine-side TTFT: the ceiling for what the daemon can deliver at that concurrency.")
-    from edged.bench.engine_loop import add_arguments as add_engine_loop_arguments
-    add_engine_loop_arguments(eng)
+    if bench_arguments:
+        from edged.bench.engine_loop import add_arguments as add_engine_loop_arguments
+        add_engine_loop_arguments(eng)
     return parser
+
+
+def _chat_ca_file(args: argparse.Namespace) -> str | None:
+    """The certificate `edged chat` trusts: --ca-file; else the local daemon's, under --state-dir or the
+    default state directory; else, with neither flag, the one `make run` made under ./.state."""
+    from edged.daemon import resolve_ca_file
+
+    ca_file = resolve_ca_file(args.ca_file, args.insecure, args.state_dir)
+    if ca_file is None and not (args.ca_file or args.insecure or args.state_dir):
+        local = Path(MAKE_RUN_STATE_DIR) / "tls" / "cert.pem"
+        if local.is_file():
+            ca_file = str(local)
+    return ca_file
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -122,17 +146,16 @@ def main(argv: list[str] | None = None) -> int:
     # that the thread it waits for needs, and a step took 5-10x longer (docs/BENCHMARKS.md). Set before
     # anything loads torch; an explicit OMP_WAIT_POLICY in the environment wins.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    args = build_parser().parse_args(argv)
+    words = sys.argv[1:] if argv is None else argv
+    args = build_parser(bench_arguments=bool(words) and words[0] == "bench").parse_args(argv)
     if args.command == "serve":
         from edged.daemon import run_serve_command
         return run_serve_command(args)
     if args.command == "chat":
-        from edged.daemon import resolve_ca_file
         from edged.server.h3_client import run_chat_command
-        return run_chat_command(args.prompt, host=args.host, port=args.port,
-                                ca_file=resolve_ca_file(args.ca_file, args.insecure, args.state_dir),
+        return run_chat_command(args.prompt, host=args.host, port=args.port, ca_file=_chat_ca_file(args),
                                 insecure=args.insecure, max_tokens=args.max_tokens, temperature=args.temperature,
-                                system=args.system)
+                                system=args.system, api_key=args.api_key)
     if args.command == "check-config":
         from edged.config import run_check_config
         return run_check_config(args.file)

@@ -142,6 +142,21 @@ class ServerConfig:
 
 
 @dataclass(slots=True)
+class SamplingDefaultsConfig:
+    """model.sampling_defaults: what a request that omits the field gets, over the model's own
+    recommendation (generation_config.json, the embedded model's card); null keeps the model's."""
+
+    temperature: float | None = _f(None, ge=0, le=2)
+    top_p: float | None = _f(None, gt=0, le=1)
+    top_k: int | None = _f(None, ge=0)  # 0: off
+    max_tokens: int | None = _f(None, gt=0)  # over limits.max_tokens_default; capped by max_tokens_limit
+
+    def as_dict(self) -> dict[str, float | int]:
+        """The keys that are set (what with_overrides lays over the model's defaults)."""
+        return {f.name: v for f in fields(self) if (v := getattr(self, f.name)) is not None}
+
+
+@dataclass(slots=True)
 class ModelConfig:
     path: str | None = _f(None, path=True)  # None: the embedded default model
     served_name: str | None = None  # the id in /v1/models; None: the file name without extension
@@ -158,6 +173,7 @@ class ModelConfig:
     max_num_seqs: int = _f(64, gt=0)
     max_batch_tokens: int = _f(2048, gt=0)
     cuda_graphs: bool = True
+    sampling_defaults: SamplingDefaultsConfig = field(default_factory=SamplingDefaultsConfig)
 
 
 @dataclass(slots=True)
@@ -684,8 +700,8 @@ def reload_config(old: Config, path: str | Path | None,
             raise ConfigError(missing, str(path))
         diff = diff_config(old, new)
         for key in diff.restart_required:  # keep what is running
-            section, _, name = key.partition(".")
-            setattr(getattr(new, section), name, _get(old, key))
+            parent, _, name = key.rpartition(".")  # nested: model.sampling_defaults.temperature
+            setattr(_get(new, parent), name, _get(old, key))
         effective = parse_config(to_dict(new), str(path))  # old model.* vs new policy must still agree
     except ConfigError as e:
         log.warning("config reload rejected, keeping the running config: %s: %s", e.source, "; ".join(e.messages()))

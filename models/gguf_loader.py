@@ -22,7 +22,7 @@ from edged.kernels import LinearWeight, pack_w4
 
 from .chat_template import ChatTemplate, pick_template
 from .config import ModelConfig, scaled_inv_freq
-from .loader import LoadedModel
+from .loader import LoadedModel, SamplingDefaults, sampling_defaults_from
 from .runtime_weights import Named
 from .tokenizer import Tokenizer
 
@@ -69,7 +69,16 @@ def load_gguf(path: str | Path, model_id: str | None = None) -> LoadedModel:
     log.info("loaded %s: %s, %d tensors", path, meta.get("general.name", path.stem), len(named))
     source = pick_template(meta.get("tokenizer.chat_template"))
     template = ChatTemplate(source, tokenizer.bos_token, tokenizer.eos_token)
-    return LoadedModel(config, named, tokenizer, template, model_id, path)
+    return LoadedModel(config, named, tokenizer, template, model_id, path,
+                       sampling_defaults_from_gguf(meta, str(path)))
+
+
+def sampling_defaults_from_gguf(meta: dict[str, Any], source: str) -> SamplingDefaults:
+    """The `general.sampling.*` metadata that recent converters write (llama.cpp takes them as the
+    model's defaults); most files have none."""
+    return sampling_defaults_from({"temperature": meta.get("general.sampling.temp"),
+                                   "top_p": meta.get("general.sampling.top_p"),
+                                   "top_k": meta.get("general.sampling.top_k")}, source)
 
 
 # --- config -----------------------------------------------------------------------------------------

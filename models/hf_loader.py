@@ -12,7 +12,7 @@ from safetensors import safe_open
 
 from .chat_template import ChatTemplate, pick_template
 from .config import ModelConfig
-from .loader import LoadedModel
+from .loader import LoadedModel, SamplingDefaults, sampling_defaults_from
 from .runtime_weights import Named
 from .tokenizer import Tokenizer
 
@@ -34,7 +34,16 @@ def load_hf(path: str | Path, model_id: str | None = None) -> LoadedModel:
     template = ChatTemplate(_chat_template(root, tokenizer_config),
                             _token_text(tokenizer_config.get("bos_token")) or tokenizer.bos_token,
                             _token_text(tokenizer_config.get("eos_token")) or tokenizer.eos_token)
-    return LoadedModel(config, named, tokenizer, template, model_id, root)
+    generation_config = _read_json(root / "generation_config.json", missing_ok=True)
+    defaults = sampling_defaults_from_generation_config(generation_config, str(root / "generation_config.json"))
+    return LoadedModel(config, named, tokenizer, template, model_id, root, defaults)
+
+
+def sampling_defaults_from_generation_config(gc: dict[str, Any], source: str) -> SamplingDefaults:
+    """generation_config.json's temperature / top_p / top_k / max_new_tokens, as vLLM takes them
+    (`do_sample` is not consulted, as in vLLM: a file that names a temperature means it)."""
+    return sampling_defaults_from({"temperature": gc.get("temperature"), "top_p": gc.get("top_p"),
+                                   "top_k": gc.get("top_k"), "max_tokens": gc.get("max_new_tokens")}, source)
 
 
 def config_from_hf(raw: dict[str, Any], tokenizer: Tokenizer, name: str) -> ModelConfig:

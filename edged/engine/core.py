@@ -23,7 +23,7 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any, Callable
 
@@ -53,6 +53,9 @@ class ModelInfo:
     tokenizer: Any
     chat_template: Any
     device: str
+    # What a request that omits temperature / top_p / top_k / max_tokens gets: the model's
+    # recommendation with model.sampling_defaults laid over it (a plain dict: pickles anywhere).
+    sampling_defaults: dict[str, float | int] = field(default_factory=dict)
 
 
 def engine_settings(config: Config):
@@ -96,7 +99,8 @@ class EngineCore:
 
         cfg = self.config
         loaded = load_model(cfg.model.path)
-        loaded = with_overrides(loaded, cfg.model.served_name, cfg.model.tokenizer, cfg.model.chat_template)
+        loaded = with_overrides(loaded, cfg.model.served_name, cfg.model.tokenizer, cfg.model.chat_template,
+                                cfg.model.sampling_defaults.as_dict())
         self.front = build_engine(loaded, engine_settings(cfg))
         self.engine = self.front.engine
         self._topology(cfg)
@@ -107,7 +111,7 @@ class EngineCore:
         self.limiter = RateLimiter()
         self._warm_up()
         return ModelInfo(loaded.model_id, self.front.max_model_len, self.engine.vocab_size, loaded.tokenizer,
-                         loaded.chat_template, str(self.engine.runner.device))
+                         loaded.chat_template, str(self.engine.runner.device), dict(loaded.sampling_defaults))
 
     def _warm_up(self) -> None:
         """One real step through every layer before READY, so the first client does not pay for it."""

@@ -449,59 +449,135 @@ def _connect_host(host: str) -> str:
     return {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1", "[::]": "::1"}.get(host, host.strip("[]"))
 
 
-def run_chat_command(prompt: str, host: str, port: int, ca_file: str | None, insecure: bool,
-                     max_tokens: int | None, temperature: float | None, system: str | None = None,
-                     model: str | None = None, connect_timeout: float = 5.0) -> int:
-    """`edged chat "PROMPT"`: stream the answer to stdout. 0 on success; 1 on any error (message on
-    stderr); 130 on Ctrl-C."""
-    quic_log = logging.getLogger("quic")  # aioquic warns on stderr about e.g. a bad certificate; we say it better
-    if quic_log.level == logging.NOTSET:
-        quic_log.setLevel(logging.ERROR)
-    messages: list[dict[str, Any]] = []
-    if system:
-        messages.append({"role": "system", "content": system})
-    messages.append({"role": "user", "content": prompt})
-    target = _connect_host(host)
-    where = f"{target}:{port}" if ":" not in target else f"[{target}]:{port}"
+class _Turn:
+    """How a chat turn ended."""
 
-    async def run() -> int:
-        client = H3Client(target, port, ca_file=ca_file, insecure=insecure, connect_timeout=connect_timeout)
+    OK = 0
+    FAILED = 1  # the server refused it or the stream broke: an interactive session goes on
+    UNREACHABLE = 2  # no connection: the session ends
+
+
+@dataclass
+class _ChatSession:
+    """`edged chat`'s connection settings and the messages so far; one QUIC connection per turn
+    (between turns the event loop does not run, and an idle connection would die unnoticed)."""
+
+    target: str
+    port: int
+    ca_file: str | None
+    insecure: bool
+    connect_timeout: float
+    model: str | None
+    max_tokens: int | None
+    temperature: float | None
+    headers: dict[str, str]
+    messages: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def where(self) -> str:
+        return f"{self.target}:{self.port}" if ":" not in self.target else f"[{self.target}]:{self.port}"
+
+    async def turn(self) -> tuple[int, str]:
+        """Send the whole history, stream the answer to stdout; (a _Turn value, the answer's text)."""
+        client = H3Client(self.target, self.port, ca_file=self.ca_file, insecure=self.insecure,
+                          connect_timeout=self.connect_timeout)
         try:
             await client.connect()
         except CertificateError as e:
             hint = ("pass --ca-file with the server's certificate (the daemon's own is <state_dir>/tls/cert.pem)"
-                    " or --insecure to skip verification" + (f"; {ca_file} did not verify it" if ca_file else ""))
+                    " or --insecure to skip verification"
+                    + (f"; {self.ca_file} did not verify it" if self.ca_file else ""))
             print(f"edged chat: {e}\n  hint: {hint}", file=sys.stderr)
-            return 1
+            return _Turn.UNREACHABLE, ""
         except ConnectError as e:
-            print(f"edged chat: could not reach edged at {where} over HTTP/3 (QUIC/UDP): {e}\n"
-                  f"  hint: is the daemon running and UDP port {port} open?", file=sys.stderr)
-            return 1
-        wrote = False
+            print(f"edged chat: could not reach edged at {self.where} over HTTP/3 (QUIC/UDP): {e}\n"
+                  f"  hint: is the daemon running and UDP port {self.port} open?", file=sys.stderr)
+            return _Turn.UNREACHABLE, ""
+        parts: list[str] = []
         try:
-            async for text in chat_stream(client, messages, model=model, max_tokens=max_tokens,
-                                          temperature=temperature):
+            async for text in chat_stream(client, self.messages, model=self.model, max_tokens=self.max_tokens,
+                                          temperature=self.temperature, headers=self.headers):
                 sys.stdout.write(text)
                 sys.stdout.flush()
-                wrote = True
+                parts.append(text)
             sys.stdout.write("\n")
             sys.stdout.flush()
-            return 0
+            return _Turn.OK, "".join(parts)
         except HTTPError as e:
-            if wrote:
+            if parts:
                 sys.stdout.write("\n")
             print(f"edged chat: the server refused the request (HTTP {e.status}): {e.message}", file=sys.stderr)
-            return 1
+            return _Turn.FAILED, ""
         except H3ClientError as e:
-            if wrote:
+            if parts:
                 sys.stdout.write("\n")
             print(f"edged chat: generation failed: {e}", file=sys.stderr)
-            return 1
+            return _Turn.FAILED, ""
         finally:
             await client.close()
 
-    try:
-        return asyncio.run(run())
-    except KeyboardInterrupt:
-        sys.stdout.write("\n")
-        return 130
+
+def run_chat_command(prompt: str | None, host: str, port: int, ca_file: str | None, insecure: bool,
+                     max_tokens: int | None, temperature: float | None, system: str | None = None,
+                     model: str | None = None, connect_timeout: float = 5.0, api_key: str | None = None) -> int:
+    """`edged chat "PROMPT"`: stream the answer to stdout. 0 on success; 1 on any error (message on
+    stderr); 130 on Ctrl-C.
+
+    Without a prompt, a conversation: one user message per line of standard input ("> " on a
+    terminal), each answer streamed, the whole history sent every turn (like `ollama run`). EOF
+    (Ctrl-D) ends it with 0; Ctrl-C during an answer drops that turn and asks again; an unreachable
+    daemon ends it with 1. A refused turn (e.g. the history outgrew the context) is reported and
+    dropped from the history."""
+    quic_log = logging.getLogger("quic")  # aioquic warns on stderr about e.g. a bad certificate; we say it better
+    if quic_log.level == logging.NOTSET:
+        quic_log.setLevel(logging.ERROR)
+    session = _ChatSession(_connect_host(host), port, ca_file, insecure, connect_timeout, model, max_tokens,
+                           temperature, {"authorization": f"Bearer {api_key}"} if api_key else {})
+    if system:
+        session.messages.append({"role": "system", "content": system})
+    if prompt is not None:
+        session.messages.append({"role": "user", "content": prompt})
+        try:
+            status, _ = asyncio.run(session.turn())
+        except KeyboardInterrupt:
+            sys.stdout.write("\n")
+            return 130
+        return 0 if status == _Turn.OK else 1
+    return _converse(session)
+
+
+def _converse(session: _ChatSession) -> int:
+    tty = sys.stdin.isatty()
+    if tty:
+        try:
+            import readline  # noqa: F401  (line editing and recall for input())
+        except ImportError:
+            pass
+        print("edged chat: Ctrl-D to leave", file=sys.stderr)
+    with asyncio.Runner() as runner:  # one event loop for the session
+        while True:
+            try:
+                line = input("> " if tty else "")
+            except EOFError:
+                if tty:
+                    sys.stdout.write("\n")
+                return 0
+            except KeyboardInterrupt:
+                sys.stdout.write("\n")
+                return 130
+            if not line.strip():
+                continue
+            session.messages.append({"role": "user", "content": line})
+            try:
+                status, answer = runner.run(session.turn())
+            except KeyboardInterrupt:  # the stream was reset on the way out; forget the question
+                session.messages.pop()
+                sys.stdout.write("\n")
+                sys.stdout.flush()
+                continue
+            if status == _Turn.UNREACHABLE:
+                return 1
+            if status == _Turn.FAILED:
+                session.messages.pop()
+                continue
+            session.messages.append({"role": "assistant", "content": answer})

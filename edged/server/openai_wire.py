@@ -10,6 +10,7 @@ import json
 import math
 import struct
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -77,6 +78,9 @@ class ParsedRequest:
     include_usage: bool = False
     max_tokens: int | None = None  # None: not given, the server picks what fits
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    # The sampling fields the body set (temperature, top_p, top_k): the others take the model's
+    # defaults in make_generation_request. null counts as not set, as with OpenAI.
+    sampling_given: set[str] = field(default_factory=set)
     tier: str | None = None
 
 
@@ -352,13 +356,16 @@ def _common(obj: dict, p: ParsedRequest, max_tokens_keys: tuple[str, ...]) -> No
     t = _number(obj, "temperature", 0.0, 2.0)
     if t is not None:
         s.temperature = t
+        p.sampling_given.add("temperature")
     tp = _number(obj, "top_p", 0.0, 1.0, lo_open=True)
     if tp is not None:
         s.top_p = tp
+        p.sampling_given.add("top_p")
     # Values above the vocabulary are clamped to it in make_generation_request.
     tk = _int_in(obj, "top_k", -1, INT64_MAX, " (0 or -1: off)")
     if tk is not None:
         s.top_k = max(tk, 0)
+        p.sampling_given.add("top_k")
     s.seed = _int_in(obj, "seed", 0, INT64_MAX)
     s.stop = _stop(obj.get("stop"))
     sti = obj.get("stop_token_ids")  # vLLM extension
@@ -428,15 +435,20 @@ def make_generation_request(
     max_tokens_limit: int | None = None,
     max_prompt_tokens: int | None = None,
     vocab_size: int | None = None,
+    sampling_defaults: Mapping[str, float | int] | None = None,
 ) -> GenerationRequest:
-    """Check the prompt against the context and the vocabulary, and settle max_tokens.
+    """Check the prompt against the context and the vocabulary, settle max_tokens, and fill the
+    sampling fields the request left out from the model's `sampling_defaults` (temperature, top_p,
+    top_k, max_tokens; a key absent there: SamplingParams' default, and `default_max_tokens`).
 
     Prompt >= context (or > max_prompt_tokens): 400 context_length_exceeded.
     A token id (prompt or stop_token_ids) outside the vocabulary: 400 naming the field; top_k above
     the vocabulary size is clamped to it (the same result: every token is a candidate).
     An explicit max_tokens over max_tokens_limit: 400; one that does not fit the context: 400 (as OpenAI).
-    No max_tokens: min(default, limit, room left).
+    No max_tokens: min(the model's default or else default_max_tokens, limit, room left).
     """
+    defaults = sampling_defaults or {}
+    default_max_tokens = int(defaults.get("max_tokens", default_max_tokens))
     n = len(prompt_token_ids)
     what = "messages" if p.kind == "chat" else "prompt"
     if n == 0:
@@ -474,9 +486,13 @@ def make_generation_request(
             max_tokens = min(max_tokens, max_tokens_limit)
         max_tokens = max(1, max_tokens)
     s = p.sampling
-    top_k = min(s.top_k, vocab_size) if vocab_size is not None else s.top_k
+    given = p.sampling_given
+    temperature = s.temperature if "temperature" in given else float(defaults.get("temperature", s.temperature))
+    top_p = s.top_p if "top_p" in given else float(defaults.get("top_p", s.top_p))
+    top_k = s.top_k if "top_k" in given else int(defaults.get("top_k", s.top_k))
+    top_k = min(top_k, vocab_size) if vocab_size is not None else top_k
     sampling = SamplingParams(
-        temperature=s.temperature, top_p=s.top_p, top_k=top_k, seed=s.seed, max_tokens=max_tokens,
+        temperature=temperature, top_p=top_p, top_k=top_k, seed=s.seed, max_tokens=max_tokens,
         stop=list(s.stop), stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos)
     return GenerationRequest(request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling=sampling,
                              tier=tier)
@@ -544,13 +560,34 @@ def usage_chunk(kind: str, rid: str, created: int, model: str, prompt_tokens: in
             "usage": usage(prompt_tokens, completion_tokens)}
 
 
-def models_response(model_id: str, created: int, max_model_len: int) -> dict[str, Any]:
-    return {"object": "list", "data": [model_object(model_id, created, max_model_len)]}
+def models_response(model_id: str, created: int, max_model_len: int,
+                    sampling_defaults: Mapping[str, float | int] | None = None) -> dict[str, Any]:
+    return {"object": "list", "data": [model_object(model_id, created, max_model_len, sampling_defaults)]}
 
 
-def model_object(model_id: str, created: int, max_model_len: int) -> dict[str, Any]:
-    return {"id": model_id, "object": "model", "created": created, "owned_by": "edged",
-            "max_model_len": max_model_len}
+def model_object(model_id: str, created: int, max_model_len: int,
+                 sampling_defaults: Mapping[str, float | int] | None = None) -> dict[str, Any]:
+    """The model; `sampling_defaults` (an edged extension, as vLLM's `max_model_len` is one): what a
+    request that omits those fields gets (effective_sampling_defaults)."""
+    obj: dict[str, Any] = {"id": model_id, "object": "model", "created": created, "owned_by": "edged",
+                           "max_model_len": max_model_len}
+    if sampling_defaults is not None:
+        obj["sampling_defaults"] = dict(sampling_defaults)
+    return obj
+
+
+def effective_sampling_defaults(sampling_defaults: Mapping[str, float | int] | None, default_max_tokens: int,
+                                max_tokens_limit: int | None) -> dict[str, float | int]:
+    """Every default a request without temperature / top_p / top_k / max_tokens gets, as
+    make_generation_request settles them (max_tokens before the room left in the context and any
+    tier cap)."""
+    d = sampling_defaults or {}
+    base = SamplingParams()
+    max_tokens = int(d.get("max_tokens", default_max_tokens))
+    if max_tokens_limit is not None:
+        max_tokens = min(max_tokens, max_tokens_limit)
+    return {"temperature": float(d.get("temperature", base.temperature)), "top_p": float(d.get("top_p", base.top_p)),
+            "top_k": int(d.get("top_k", base.top_k)), "max_tokens": max_tokens}
 
 
 def now() -> int:
