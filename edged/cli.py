@@ -129,11 +129,16 @@ def build_parser(bench_arguments: bool = True) -> argparse.ArgumentParser:
 
 def _chat_ca_file(args: argparse.Namespace) -> str | None:
     """The certificate `edged chat` trusts: --ca-file; else the local daemon's, under --state-dir or the
-    default state directory; else, with neither flag, the one `make run` made under ./.state."""
-    from edged.daemon import resolve_ca_file
+    default state directory; else, with neither flag, the one `make run` made under ./.state.
+    (edged.daemon's resolve_ca_file does the first two, but importing the supervisor's module costs
+    start-up time.)"""
+    if args.ca_file or args.insecure:
+        return args.ca_file
+    from edged.config import default_state_dir
+    from edged.server.tls import default_ca_file
 
-    ca_file = resolve_ca_file(args.ca_file, args.insecure, args.state_dir)
-    if ca_file is None and not (args.ca_file or args.insecure or args.state_dir):
+    ca_file = default_ca_file(args.state_dir or default_state_dir())
+    if ca_file is None and not args.state_dir:
         local = Path(MAKE_RUN_STATE_DIR) / "tls" / "cert.pem"
         if local.is_file():
             ca_file = str(local)
