@@ -10,12 +10,12 @@ import asyncio
 import itertools
 import logging
 import math
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from edged.log import fields
-from edged.server import auth
+from edged.server import auth, chat_page
 from edged.server import openai_wire as wire
 from edged.server.openai_wire import ParsedRequest, WireError
 
@@ -57,9 +57,15 @@ class RequestRecord:
 class Router:
     """Path -> method -> handler; `add()` lets the daemon mount more (e.g. GET /metrics)."""
 
-    def __init__(self, engine: EngineClient, settings: ServerSettings) -> None:
+    def __init__(self, engine: EngineClient, settings: ServerSettings,
+                 sampling_defaults: Mapping[str, float | int] | None = None) -> None:
         self.engine = engine
         self.settings = settings
+        # The model's sampling defaults (the core's ModelInfo; an in-process engine may carry them):
+        # what a request that omits temperature / top_p / top_k / max_tokens gets.
+        if sampling_defaults is None:
+            sampling_defaults = getattr(engine, "sampling_defaults", None)
+        self.sampling_defaults: dict[str, float | int] = dict(sampling_defaults or {})
         self.created = wire.now()
         self.draining = False
         self.result_cache: ResultCacheFront | None = None  # set by the daemon when the cache is configured
@@ -73,6 +79,7 @@ class Router:
         self.add("POST", "/v1/completions", self.completions)
         self.add("GET", "/v1/models", self.models)
         self.add("GET", "/healthz", self.healthz)
+        chat_page.mount(self)  # GET /: the chat page
 
     def add(self, method: str, path: str, handler: Handler, public: bool = False) -> None:
         """Mount `handler` (an `async def h(req: RequestStream)`); public: no API key needed."""
@@ -184,14 +191,21 @@ class Router:
         else:
             req.respond_json(200, {"status": "ok"})
 
+    def shown_sampling_defaults(self) -> dict[str, float | int]:
+        """What a request without sampling fields gets now (limits are live: computed per call)."""
+        st = self.settings
+        return wire.effective_sampling_defaults(self.sampling_defaults, st.default_max_tokens, st.max_tokens_limit)
+
     async def models(self, req: RequestStream) -> None:
-        req.respond_json(200, wire.models_response(self.engine.model_id, self.created, self.engine.max_model_len))
+        req.respond_json(200, wire.models_response(self.engine.model_id, self.created, self.engine.max_model_len,
+                                                   self.shown_sampling_defaults()))
 
     async def model(self, req: RequestStream) -> None:
         name = req.path[len("/v1/models/"):].rstrip("/")
         if name != self.engine.model_id:
             raise WireError(404, f"The model '{name}' does not exist.", param="model", code="model_not_found")
-        req.respond_json(200, wire.model_object(self.engine.model_id, self.created, self.engine.max_model_len))
+        req.respond_json(200, wire.model_object(self.engine.model_id, self.created, self.engine.max_model_len,
+                                                self.shown_sampling_defaults()))
 
     # ---- completions
 
@@ -250,7 +264,7 @@ class Router:
         eid = self._engine_id(req.request_id)
         gen = wire.make_generation_request(p, prompt_ids, eid, tier, self.engine.max_model_len,
                                            st.default_max_tokens, limit, st.max_prompt_tokens,
-                                           getattr(self.engine, "vocab_size", None))
+                                           getattr(self.engine, "vocab_size", None), self.sampling_defaults)
         req.tier, req.prompt_tokens = tier, len(prompt_ids)
         self._inflight.add(eid)
         try:

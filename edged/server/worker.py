@@ -59,10 +59,11 @@ def server_settings(config: Config, worker: str | None = None) -> ServerSettings
 
 class Worker:
     def __init__(self, name: str, config: Config, engine: Any, run_dir: str | None = None,
-                 control: Connection | None = None) -> None:
+                 control: Connection | None = None, sampling_defaults: dict[str, float | int] | None = None) -> None:
         self.name = name
         self.config = config
         self.engine = engine  # an EngineClient
+        self.sampling_defaults = sampling_defaults  # the core's ModelInfo.sampling_defaults
         self.run_dir = run_dir
         self.control = control
         self.metrics = EdgedMetrics()
@@ -90,7 +91,8 @@ class Worker:
         cfg = self.config
         self.engine.start()
         await self._open_result_cache()
-        router = Router(self.engine, server_settings(cfg, self.name))
+        router = Router(self.engine, server_settings(cfg, self.name),
+                        sampling_defaults=self.sampling_defaults)
         self.server = await serve(router, cfg.server.host, cfg.server.port, certfile, keyfile, sock=sock,
                                   tcp_sock=tcp_sock)
         self.mount(router)
@@ -217,7 +219,8 @@ def run_worker(name: str, config: Config, info: Any, run_dir: str, sock: socket.
     register_process(run_dir, name)
 
     async def main() -> int:
-        worker = Worker(name, config, RemoteEngineClient(info, run_dir, name), run_dir, control)
+        worker = Worker(name, config, RemoteEngineClient(info, run_dir, name), run_dir, control,
+                        sampling_defaults=getattr(info, "sampling_defaults", None))
         return await worker.run(sock, certfile, keyfile, tcp_sock)
 
     try:
