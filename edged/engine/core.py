@@ -6,7 +6,7 @@ tokenize (tokenizer, chat template, model id, context length). Then:
 
 - the main thread receives the workers' messages: a request is admitted (SLA admission and the
   per-key rate limits are here, so each is counted once for the whole daemon) and queued, or
-  refused at once with its 429/503; aborts cancel sequences;
+  refused at once with its 429; aborts cancel sequences;
 - the engine thread runs steps and sends each worker one message per step with all of its new
   tokens (`_send_outputs`);
 - the control pipe from the supervisor brings config reloads, "a worker died" (its sequences are
