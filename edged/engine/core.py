@@ -39,6 +39,7 @@ from .request import GenerationRequest, SamplingParams, StepOutput
 log = logging.getLogger("edged.core")
 
 GIL_SWITCH_S = 0.0005
+WARMUP_PROMPT_TOKENS = (4, 64, 320)  # prompt lengths run once before READY (kernels compiled per size)
 HEARTBEAT_S = 0.5  # heartbeats to the supervisor and engine metrics, this often
 ENGINE_STALL_S = 20.0  # no engine-loop iteration for this long: stop sending heartbeats
 
@@ -114,14 +115,25 @@ class EngineCore:
                          loaded.chat_template, str(self.engine.runner.device), dict(loaded.sampling_defaults))
 
     def _warm_up(self) -> None:
-        """One real step through every layer before READY, so the first client does not pay for it."""
+        """Real steps through every layer before READY, so the first clients do not pay for them:
+        prompts of a few lengths, so that the prefill kernels of common sizes are compiled too."""
+        hello = self.front.tokenizer.encode_plain("Hello")
+        requests = [GenerationRequest(f"warmup-{n}", (hello * n)[:n], SamplingParams(temperature=0.0, max_tokens=2))
+                    for n in WARMUP_PROMPT_TOKENS if n < self.front.max_model_len - 2]
+        pending = {r.request_id for r in requests}
         done = threading.Event()
-        self.engine.on_outputs = lambda outs: done.set() if any(o.finished for o in outs) else None
+
+        def on_outputs(outputs: list[StepOutput]) -> None:
+            pending.difference_update(o.request_id for o in outputs if o.finished)
+            if not pending:
+                done.set()
+
+        self.engine.on_outputs = on_outputs
         self.engine.start(self._pin_engine_thread)
-        ids = self.front.tokenizer.encode_plain("Hello")
-        self.engine.add_request(GenerationRequest("warmup", ids, SamplingParams(temperature=0.0, max_tokens=2)))
-        if not done.wait(600):
-            raise RuntimeError("the warm-up step did not finish")
+        for request in requests:
+            self.engine.add_request(request)
+        if requests and not done.wait(600):
+            raise RuntimeError("the warm-up steps did not finish")
         self.engine.on_outputs = self._send_outputs
 
     def _pin_engine_thread(self) -> None:

@@ -18,6 +18,10 @@ from dataclasses import dataclass
 # measured costs, not the prior's.
 P_SCALE = 16.0
 N_SCALE = 4.0
+# A step more than this many times slower than the model predicts is counted at this multiple: a
+# one-off stall (a kernel compiled on its first use, a page fault storm) must not teach admission
+# that every step is slow, while a device that really is slower still moves the fit 4x per step.
+OUTLIER_FACTOR = 4.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +85,9 @@ class StepStats:
     def record_step(self, duration_s: float, prefill_tokens: int, batch_size: int) -> None:
         if not math.isfinite(duration_s) or duration_s < 0 or batch_size <= 0:
             return
+        expected = self.predict_step(prefill_tokens, batch_size)
+        if expected > 0:
+            duration_s = min(duration_s, OUTLIER_FACTOR * expected)
         x = (1.0, prefill_tokens / P_SCALE, batch_size / N_SCALE)
         with self._lock:
             lam = self.forget
