@@ -39,7 +39,7 @@ from .request import GenerationRequest, SamplingParams, StepOutput
 log = logging.getLogger("edged.core")
 
 GIL_SWITCH_S = 0.0005
-WARMUP_PROMPT_TOKENS = (4, 64, 320)  # prompt lengths run once before READY (kernels compiled per size)
+WARMUP_PROMPT_TOKENS = (4, 64, 320)  # prompt lengths run once before READY on CUDA (Triton compiles per size)
 HEARTBEAT_S = 0.5  # heartbeats to the supervisor and engine metrics, this often
 ENGINE_STALL_S = 20.0  # no engine-loop iteration for this long: stop sending heartbeats
 
@@ -118,8 +118,10 @@ class EngineCore:
         """Real steps through every layer before READY, so the first clients do not pay for them:
         prompts of a few lengths, so that the prefill kernels of common sizes are compiled too."""
         hello = self.front.tokenizer.encode_plain("Hello")
+        # The CPU kernels compile once, not per shape: one short prompt warms everything there.
+        lengths = WARMUP_PROMPT_TOKENS if self.engine.runner.device.type == "cuda" else WARMUP_PROMPT_TOKENS[:1]
         requests = [GenerationRequest(f"warmup-{n}", (hello * n)[:n], SamplingParams(temperature=0.0, max_tokens=2))
-                    for n in WARMUP_PROMPT_TOKENS if n < self.front.max_model_len - 2]
+                    for n in lengths if n < self.front.max_model_len - 2]
         pending = {r.request_id for r in requests}
         done = threading.Event()
 
