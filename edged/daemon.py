@@ -64,49 +64,38 @@ class Child:
             log.debug("control send failed %s", fields(process=self.name, error=repr(e)))
 
 
+def bind_group(host: str, port: int, count: int, kind: socket.SocketKind, backlog: int = 1024) -> list[socket.socket]:
+    """`count` sockets on one address in one SO_REUSEPORT group, one per worker (the kernel spreads
+    connections over them); port 0: the first one picks it. TCP sockets are listening."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(count):
+            s = socket.socket(family, kind)
+            socks.append(s)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            if family == socket.AF_INET6:
+                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+            s.bind((host, port))
+            port = s.getsockname()[1]
+            if kind == socket.SOCK_STREAM:
+                s.listen(backlog)
+            s.setblocking(False)
+    except OSError as e:
+        for s in socks:
+            s.close()
+        proto = "tcp" if kind == socket.SOCK_STREAM else "udp"
+        raise OSError(f"cannot listen on {proto} {host}:{port}: {e.strerror or e}") from None
+    return socks
+
+
 def bind_udp(host: str, port: int, count: int) -> list[socket.socket]:
-    """`count` UDP sockets on one address in one SO_REUSEPORT group (port 0: the first one picks it)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    socks: list[socket.socket] = []
-    try:
-        for _ in range(count):
-            s = socket.socket(family, socket.SOCK_DGRAM)
-            socks.append(s)
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-            if family == socket.AF_INET6:
-                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-            s.bind((host, port))
-            port = s.getsockname()[1]
-            s.setblocking(False)
-    except OSError as e:
-        for s in socks:
-            s.close()
-        raise OSError(f"cannot listen on udp {host}:{port}: {e.strerror or e}") from None
-    return socks
+    return bind_group(host, port, count, socket.SOCK_DGRAM)
 
 
-def bind_tcp(host: str, port: int, count: int, backlog: int = 1024) -> list[socket.socket]:
-    """`count` listening TCP sockets on one address in one SO_REUSEPORT group (the kernel spreads
-    new connections over them, one per worker); `port` is the UDP sockets' (HTTP/1.1 and HTTP/2
-    beside HTTP/3 on the same port number; port 0: the first one picks it)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    socks: list[socket.socket] = []
-    try:
-        for _ in range(count):
-            s = socket.socket(family, socket.SOCK_STREAM)
-            socks.append(s)
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-            if family == socket.AF_INET6:
-                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-            s.bind((host, port))
-            port = s.getsockname()[1]
-            s.listen(backlog)
-            s.setblocking(False)
-    except OSError as e:
-        for s in socks:
-            s.close()
-        raise OSError(f"cannot listen on tcp {host}:{port}: {e.strerror or e}") from None
-    return socks
+def bind_tcp(host: str, port: int, count: int) -> list[socket.socket]:
+    """Beside the UDP sockets on the same port number: HTTP/1.1 and HTTP/2 next to HTTP/3."""
+    return bind_group(host, port, count, socket.SOCK_STREAM)
 
 
 class Daemon:

@@ -43,3 +43,10 @@ def tiny_hf_dir(tmp_path_factory: pytest.TempPathFactory, loaded_model: LoadedMo
 
     return make
 
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    """A self-signed certificate and key for a module's in-process servers."""
+    from edged.server.tls import ensure_cert
+
+    return ensure_cert(tmp_path_factory.mktemp("state"))

@@ -15,18 +15,13 @@ import pytest
 from edged.server import openai_wire as wire
 from edged.server.h3_client import H3Client, ResponseStream, StreamError
 from edged.server.settings import ServerSettings
-from edged.server.tls import ensure_cert
+from helpers.aio import run as _run
 from helpers.fake_engine import FakeEngine, ServerThread, expected_text
 
 pytestmark = pytest.mark.timeout(60)
 
 JSON = {"content-type": "application/json"}
 BODY_TIMEOUT_S = 1.0
-
-
-@pytest.fixture(scope="module")
-def certs(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
-    return ensure_cert(tmp_path_factory.mktemp("state"))
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +35,7 @@ def client(st: ServerThread, certs: tuple[str, str]) -> H3Client:
 
 
 def run(coro):  # type: ignore[no-untyped-def]
-    return asyncio.run(asyncio.wait_for(coro, 30))
+    return _run(coro, 30)
 
 
 def test_an_incomplete_headers_frame_is_reset_after_the_body_timeout(srv: ServerThread, certs) -> None:

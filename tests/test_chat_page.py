@@ -8,7 +8,6 @@ same server over HTTP/1.1. Without node those two are skipped, saying so.
 """
 from __future__ import annotations
 
-import asyncio
 import base64
 import hashlib
 import json
@@ -26,8 +25,8 @@ import pytest
 from edged.server import chat_page
 from edged.server.h3_client import H3Client
 from edged.server.settings import ApiKeyPolicy, ServerSettings
-from edged.server.tls import ensure_cert
 
+from helpers.aio import run
 from helpers.fake_engine import FakeEngine, ServerThread, expected_text, wait_until
 
 pytestmark = pytest.mark.timeout(60)
@@ -39,15 +38,6 @@ NODE = shutil.which("node")
 NO_NODE = "node is not installed on this machine: the page's script cannot be run here"
 IDS = ["model", "prompt", "send", "stop", "log", "metrics", "metrics-status", "m-queue", "m-batch", "m-kv",
        "keybox", "key"]
-
-
-def run(coro, timeout: float = 20.0):
-    return asyncio.run(asyncio.wait_for(coro, timeout))
-
-
-@pytest.fixture(scope="module")
-def certs(tmp_path_factory):
-    return ensure_cert(tmp_path_factory.mktemp("state"))
 
 
 @pytest.fixture(scope="module")

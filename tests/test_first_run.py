@@ -221,6 +221,14 @@ def read_until(fd: int, buf: bytearray, pattern: re.Pattern[bytes], timeout: flo
     return True
 
 
+def next_done_lines(d: DaemonProcess, before: int, n: int = 2) -> list[dict[str, int]]:
+    """The `n` access-log records after the first `before`, waiting (10 s at most) for them."""
+    deadline = time.monotonic() + 10
+    while len(done_lines(d)) < before + n and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return done_lines(d)[before:before + n]
+
+
 def done_lines(d: DaemonProcess) -> list[dict[str, int]]:
     out = []
     for line in d.lines:
@@ -256,10 +264,7 @@ def test_edged_chat_without_a_prompt_keeps_the_history_across_two_turns_on_a_ter
             proc.kill()
             proc.wait()
         os.close(master)
-    deadline = time.monotonic() + 10
-    while len(done_lines(d)) < before + 2 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    first, second = done_lines(d)[before:before + 2]
+    first, second = next_done_lines(d, before)
     # The second request carried the first question and its answer, then the question again.
     assert second["prompt_tokens"] >= first["prompt_tokens"] + first["completion_tokens"], (first, second)
 
@@ -295,10 +300,7 @@ def test_ctrl_c_during_an_answer_cancels_it_drops_the_turn_and_asks_again(first_
             proc.kill()
             proc.wait()
         os.close(master)
-    deadline = time.monotonic() + 10
-    while len(done_lines(d)) < before + 2 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    cancelled, after = done_lines(d)[before:before + 2]
+    cancelled, after = next_done_lines(d, before)
     assert cancelled["completion_tokens"] < 400  # cut short
     assert any("outcome=client_gone" in line for line in d.lines if "request done" in line)
     # The next turn did not carry the abandoned question nor its partial answer.

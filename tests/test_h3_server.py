@@ -26,6 +26,7 @@ from edged.server.h3_client import (
 from edged.server.settings import ApiKeyPolicy, ServerSettings
 from edged.server.tls import TLSConfigError, default_ca_file, ensure_cert
 
+from helpers.aio import run
 from helpers.fake_engine import SCRIPT, FakeEngine, ServerThread, expected_text, wait_until
 
 pytestmark = pytest.mark.timeout(60)
@@ -34,19 +35,10 @@ MAX_BODY = 64 * 1024
 JSON = {"content-type": "application/json"}
 
 
-def run(coro, timeout: float = 20.0):
-    return asyncio.run(asyncio.wait_for(coro, timeout))
-
-
 def body(**kw) -> bytes:
     obj = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]}
     obj.update(kw)
     return json.dumps(obj).encode()
-
-
-@pytest.fixture(scope="module")
-def certs(tmp_path_factory):
-    return ensure_cert(tmp_path_factory.mktemp("state"))
 
 
 @pytest.fixture(scope="module")

@@ -21,8 +21,8 @@ import pytest
 
 from edged.server.h3_client import H3Client, iter_sse
 from edged.server.settings import ApiKeyPolicy, ServerSettings
-from edged.server.tls import ensure_cert
 
+from helpers.aio import run
 from helpers.fake_engine import FakeEngine, ServerThread, expected_text, wait_until
 from test_h3_server import BAD, JSON, MAX_BODY, body
 
@@ -30,15 +30,6 @@ pytestmark = pytest.mark.timeout(60)
 
 PROTOCOLS = ["http1", "h2"]
 OPEN_KEY, SLOW_KEY = "k-open", "k-slow"
-
-
-def run(coro, timeout: float = 20.0):
-    return asyncio.run(asyncio.wait_for(coro, timeout))
-
-
-@pytest.fixture(scope="module")
-def certs(tmp_path_factory):
-    return ensure_cert(tmp_path_factory.mktemp("state"))
 
 
 @pytest.fixture(scope="module")

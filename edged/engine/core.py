@@ -32,6 +32,7 @@ import zmq
 from edged.config import Config
 from edged.log import fields, setup_logging
 from edged.metrics import EngineSnapshot
+from edged.scheduler.rate_limit import RateLimiter, RatePolicy
 
 from . import ipc
 from .request import GenerationRequest, SamplingParams, StepOutput
@@ -107,8 +108,6 @@ class EngineCore:
         self._topology(cfg)
         self._apply_scheduler_config(cfg)
         self.admission = self.engine.batcher.admission()
-        from edged.scheduler.rate_limit import RateLimiter
-
         self.limiter = RateLimiter()
         self._warm_up()
         return ModelInfo(loaded.model_id, self.front.max_model_len, self.engine.vocab_size, loaded.tokenizer,
@@ -256,8 +255,6 @@ class EngineCore:
         self.engine.add_request(request)
 
     def _rate(self, msg: dict[str, Any]) -> None:
-        from edged.scheduler.rate_limit import RatePolicy
-
         wait = self.limiter.take(RatePolicy(msg["key"], msg["rps"], msg["burst"]))
         self._send(msg["w"], ipc.pack({"t": "rate", "q": msg["q"], "wait": wait}))
 

@@ -367,6 +367,27 @@ class EdgedServer:
             await asyncio.wait(set(self._tasks), timeout=5.0)
 
 
+def free_port_pair(host: str, tries: int = 20) -> tuple[socket.socket, socket.socket]:
+    """A UDP socket on a free port and a listening TCP socket on the same number (the kernel picks
+    the UDP port; the TCP one may be taken, so try again)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    for _ in range(tries):
+        udp = socket.socket(family, socket.SOCK_DGRAM)
+        tcp = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            udp.bind((host, 0))
+            tcp.bind((host, udp.getsockname()[1]))
+            tcp.listen(1024)
+        except OSError:
+            udp.close()
+            tcp.close()
+            continue
+        udp.setblocking(False)
+        tcp.setblocking(False)
+        return udp, tcp
+    raise OSError(f"no port on {host} free for both UDP and TCP after {tries} tries")
+
+
 async def serve(
     router: RequestHandler,
     host: str,
@@ -392,6 +413,8 @@ async def serve(
     config.load_cert_chain(certfile, keyfile)
     server = EdgedServer(router)
     loop = asyncio.get_running_loop()
+    if tcp and sock is None and tcp_sock is None and port == 0:
+        sock, tcp_sock = free_port_pair(host)  # a UDP port whose TCP twin is free too
     where: dict[str, Any] = {"sock": sock} if sock is not None else {"local_addr": (host, port)}
     _, server._quic_server = await loop.create_datagram_endpoint(
         lambda: QuicServer(configuration=config, create_protocol=server._create_protocol), **where)
