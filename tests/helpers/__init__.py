@@ -3,6 +3,7 @@
 daemon        start `edged serve` as a real process; metrics and systemd-notify readers
 fake_engine   a fake engine implementing EngineClient, and an HTTP/3 server on its own thread
 char_tokenizer  one token per character, for text-assembly tests
+aio           run(coro, timeout): a test's coroutine on a fresh loop, bounded
 tiny_engine   a tiny random-weight engine on the CPU with the real engine parts
 sysfs         fake /sys PCI trees for topology tests
 kernel_inputs random kernel inputs (quantized weights, a paged KV cache) on any device
