@@ -93,13 +93,15 @@ def test_a_repeated_greedy_request_is_a_cache_hit_without_engine_work_and_surviv
         assert d.stop() == 0
 
 
-@pytest.mark.timeout(1500)
-def test_sigkill_during_heavy_cache_writes_leaves_a_cache_that_opens_20_times_in_a_row(
+@pytest.mark.timeout(600)
+def test_sigkill_during_heavy_cache_writes_leaves_a_cache_that_opens_every_time(
         tmp_path: Path, tiny_hf_dir) -> None:
     # What is under test is the result cache, not the model: a tiny random-weight model (the real
-    # tokenizer and template) loads in a moment, so twenty real daemon starts stay cheap.
+    # tokenizer and template) loads in a moment. Seven daemon rounds kill at seven different moments;
+    # the 20 kills in a row are test_result_cache's writer-process rounds (the same cache code, cheaper).
     config = f"model:\n  max_num_seqs: 32\n  path: {tiny_hf_dir('llama')}\n"
-    for round_no in range(20):
+    rounds = 7
+    for round_no in range(rounds):
         d = start_daemon(tmp_path, config)
         assert "moved aside" not in d.log_text()
 
@@ -119,7 +121,7 @@ def test_sigkill_during_heavy_cache_writes_leaves_a_cache_that_opens_20_times_in
 
             tasks = [asyncio.create_task(one(i)) for i in range(64)]
             await asyncio.wait_for(writing.wait(), 45)
-            await asyncio.sleep(0.05 * (round_no % 7))  # a different moment in every round
+            await asyncio.sleep(0.05 * round_no)  # a different moment in every round
             d.proc.send_signal(signal.SIGKILL)
             for t in tasks:
                 t.cancel()  # the daemon is gone: nothing will answer them
@@ -147,7 +149,7 @@ def test_sigkill_during_heavy_cache_writes_leaves_a_cache_that_opens_20_times_in
     # Every round answered at least three requests before the kill: their results were kept.
     cache = ResultCache.open(db_path(d.state_dir), max_bytes=None, ttl_s=None)
     try:
-        assert cache.stats()["entries"] >= 40
+        assert cache.stats()["entries"] >= 2 * rounds
     finally:
         cache.close()
 
