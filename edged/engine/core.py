@@ -40,7 +40,10 @@ from .request import GenerationRequest, SamplingParams, StepOutput
 log = logging.getLogger("edged.core")
 
 GIL_SWITCH_S = 0.0005
-WARMUP_PROMPT_TOKENS = (4, 64, 320)  # prompt lengths run once before READY on CUDA (Triton compiles per size)
+# Prompt lengths run one at a time before READY on CUDA. Triton compiles a kernel per launch config
+# (kernels/triton_linear.choose_config buckets M at 16/32/64/128) and per M divisible by 16 or not:
+# one length of each kind per bucket, so a burst of new prompt sizes finds them compiled.
+WARMUP_PROMPT_TOKENS = (5, 16, 24, 32, 40, 64, 100, 128, 200, 256)
 HEARTBEAT_S = 0.5  # heartbeats to the supervisor and engine metrics, this often
 ENGINE_STALL_S = 20.0  # no engine-loop iteration for this long: stop sending heartbeats
 
@@ -114,27 +117,28 @@ class EngineCore:
                          loaded.chat_template, str(self.engine.runner.device), dict(loaded.sampling_defaults))
 
     def _warm_up(self) -> None:
-        """Real steps through every layer before READY, so the first clients do not pay for them:
-        prompts of a few lengths, so that the prefill kernels of common sizes are compiled too."""
-        hello = self.front.tokenizer.encode_plain("Hello")
+        """Real steps through every layer before READY, so the first clients do not pay for them: one
+        prompt of each length alone (batched together they would make one step of their summed size)."""
         # The CPU kernels compile once, not per shape: one short prompt warms everything there.
         lengths = WARMUP_PROMPT_TOKENS if self.engine.runner.device.type == "cuda" else WARMUP_PROMPT_TOKENS[:1]
-        requests = [GenerationRequest(f"warmup-{n}", (hello * n)[:n], SamplingParams(temperature=0.0, max_tokens=2))
+        vocab = self.engine.vocab_size
+        # distinct first tokens: a prompt sharing a cached prefix block would prefill fewer tokens than n
+        requests = [GenerationRequest(f"warmup-{n}", [(n * 131 + i * 17) % vocab for i in range(n)],
+                                      SamplingParams(temperature=0.0, max_tokens=2))
                     for n in lengths if n < self.front.max_model_len - 2]
-        pending = {r.request_id for r in requests}
-        done = threading.Event()
+        finished = threading.Event()
 
         def on_outputs(outputs: list[StepOutput]) -> None:
-            pending.difference_update(o.request_id for o in outputs if o.finished)
-            if not pending:
-                done.set()
+            if any(o.finished for o in outputs):
+                finished.set()
 
         self.engine.on_outputs = on_outputs
         self.engine.start(self._pin_engine_thread)
         for request in requests:
+            finished.clear()
             self.engine.add_request(request)
-        if requests and not done.wait(600):
-            raise RuntimeError("the warm-up steps did not finish")
+            if not finished.wait(600):
+                raise RuntimeError(f"the warm-up prompt of {len(request.prompt_token_ids)} tokens did not finish")
         self.engine.on_outputs = self._send_outputs
 
     def _pin_engine_thread(self) -> None:
