@@ -51,6 +51,10 @@ def build_parser(bench_arguments: bool = True) -> argparse.ArgumentParser:
     chat.add_argument("--max-tokens", type=int, help="most tokens to generate")
     chat.add_argument("--temperature", type=float, help="0 for greedy decoding (default: the model's)")
     chat.add_argument("--api-key", help="API key, when the daemon has auth on")
+    chat.add_argument("--no-0rtt", dest="zero_rtt", action="store_false",
+                      help="neither use nor keep QUIC session tickets (by default the ticket from the last run, "
+                           "kept per server under $XDG_STATE_HOME/edged or ~/.local/state/edged, sends the "
+                           "request in 0-RTT data)")
 
     check = sub.add_parser("check-config", help="validate a config file offline",
                            description="Validate config.yaml with the same messages a live reload logs.")
@@ -160,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         from edged.server.h3_client import run_chat_command
         return run_chat_command(args.prompt, host=args.host, port=args.port, ca_file=_chat_ca_file(args),
                                 insecure=args.insecure, max_tokens=args.max_tokens, temperature=args.temperature,
-                                system=args.system, api_key=args.api_key)
+                                system=args.system, api_key=args.api_key, zero_rtt=args.zero_rtt)
     if args.command == "check-config":
         from edged.config import run_check_config
         return run_check_config(args.file)

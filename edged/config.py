@@ -118,6 +118,19 @@ def _check_name(value: str) -> str | None:
 
 
 @dataclass(slots=True)
+class QuicConfig:
+    """server.quic: limits on QUIC connections (per worker process) and session tickets."""
+
+    max_connections: int = _f(2048, gt=0)  # per worker; more: new connections refused
+    max_connections_per_address: int = _f(64, gt=0)  # per worker, from one client IP
+    retry_above_handshakes_per_s: float = _f(200.0, ge=0)  # Retry (address validation) above this; 0: always
+    handshake_timeout_s: float = _f(10.0, gt=0)  # a handshake not complete by then is dropped
+    idle_timeout_s: float = _f(60.0, gt=0)  # a connection silent this long is closed (new connections)
+    ticket_lifetime_s: float = _f(86400.0, gt=0, le=86400)  # 0-RTT session tickets (aioquic announces 24 h)
+    max_tickets: int = _f(100_000, gt=0)  # rows kept in <state_dir>/quic_tickets.sqlite, oldest dropped
+
+
+@dataclass(slots=True)
 class ServerConfig:
     listen: str = _f("0.0.0.0:4433", check=_check_listen)
     certfile: str | None = _f(None, path=True)  # None with keyfile None: self-signed under state_dir
@@ -131,6 +144,9 @@ class ServerConfig:
     workers: str = _f("auto", check=_check_workers, int_ok=True)
     # HTTP/1.1 and HTTP/2 over TLS/TCP on the same address as HTTP/3 (clients without QUIC).
     tcp: bool = True
+    # QUIC session tickets and 0-RTT (only replay-safe requests run before the handshake completes).
+    zero_rtt: bool = True
+    quic: QuicConfig = field(default_factory=QuicConfig)
 
     @property
     def host(self) -> str:

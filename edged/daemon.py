@@ -234,6 +234,8 @@ class Daemon:
         register_process(self.run_dir, "supervisor")
         names = [f"w{i}" for i in range(auto_workers(cfg.server.workers))]
         self.sockets = dict(zip(names, bind_udp(cfg.server.host, cfg.server.port, len(names))))
+        if len(names) > 1:
+            self._route_by_connection_id(self.sockets[names[0]], len(names))
         if cfg.server.tcp:
             try:
                 udp_port = self.sockets[names[0]].getsockname()[1]
@@ -272,6 +274,18 @@ class Daemon:
         for t in tasks:
             t.cancel()
         return await self._shutdown(code=self.exit_code)
+
+    @staticmethod
+    def _route_by_connection_id(sock: socket.socket, count: int) -> None:
+        """QUIC packets go to the worker that issued their connection ID, whatever the client's
+        address (migration); see edged/server/quic_routing.py."""
+        from edged.server.quic_routing import attach_cid_routing
+
+        try:
+            attach_cid_routing(sock, count)
+            log.info("quic connection-id routing on %s", fields(workers=count))
+        except OSError as e:  # the kernel's 4-tuple hash: a migrating client may reach the wrong worker
+            log.warning("quic connection-id routing unavailable %s", fields(error=repr(e)))
 
     async def _until_ready(self, children: list[Child]) -> Any:
         """The first child's ready payload once all are ready; _Stopped on SIGTERM or a child's death."""

@@ -218,6 +218,13 @@ class EdgedMetrics:
         self.cache_lookups = Counter("edged_result_cache_lookups", "result cache lookups", ["result"], registry=r)
         self.worker_restarts = Counter("edged_worker_restarts", "front-end workers that died and were restarted",
                                        registry=r)
+        # accepted, accepted_after_retry, retry_sent, retry_invalid, refused_total, refused_per_address,
+        # handshake_timeout, resumed, early_data_accepted, early_data_run, early_data_held, ticket_found,
+        # ticket_unknown (h3_server.py, quic_listener.py)
+        self.quic_connections = Counter("edged_quic_connection_events", "QUIC connection admission and 0-RTT events",
+                                        ["event"], registry=r)
+        self.quic_migrations = Counter("edged_quic_migrations", "QUIC connections that moved to a new client address",
+                                       registry=r)
         self._live = _LiveCollector(self.sources)
 
     def observe_request(self, rec: Any) -> None:
@@ -230,6 +237,12 @@ class EdgedMetrics:
                 self.itl.labels(tier).observe((rec.duration_s - rec.ttft_s) / (rec.completion_tokens - 1))
         if rec.status is not None and rec.status < 400:
             self.e2e.labels(tier).observe(rec.duration_s)
+
+    def observe_quic_event(self, event: str) -> None:
+        if event == "migrated":
+            self.quic_migrations.inc()
+        else:
+            self.quic_connections.labels(event).inc()
 
     def observe_cache_lookup(self, hit: bool) -> None:
         self.cache_lookups.labels("hit" if hit else "miss").inc()
@@ -244,7 +257,7 @@ class EdgedMetrics:
         else:
             registry = CollectorRegistry()
             for collector in (self.requests, self.ttft, self.itl, self.e2e, self.reloads, self.cache_lookups,
-                              self.worker_restarts):
+                              self.worker_restarts, self.quic_connections, self.quic_migrations):
                 registry.register(collector)
         registry.register(self._live)
         return generate_latest(registry)

@@ -9,6 +9,12 @@
             s.reset()                     # or: cancel mid-way (RESET_STREAM + STOP_SENDING)
 
 Many requests may run concurrently on one connection.
+
+Resumption and 0-RTT: give `session_ticket` (a ticket from an earlier connection, e.g.
+`ClientTicketFile.load()`) and `on_ticket` (called with each new ticket the server sends), then
+`await c.connect(early_data=True)`: it returns at once, and requests opened before the handshake
+completes go out as 0-RTT data (the server runs only replay-safe ones early; quic_early_data.py).
+`await c.rebind()` moves the connection to a new local UDP port (connection migration).
 """
 from __future__ import annotations
 
@@ -18,7 +24,7 @@ import logging
 import socket
 import ssl
 import sys
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +34,9 @@ from aioquic.h3.events import DataReceived, H3Event, HeadersReceived
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
 from aioquic.quic.events import ConnectionTerminated, HandshakeCompleted, QuicEvent, StreamReset
+from aioquic.tls import SessionTicket
+
+from edged.server.quic_tickets import ClientTicketFile, default_client_state_dir
 
 HeadersArg = Mapping[str, str] | Iterable[tuple[str, str]] | None
 _END = object()
@@ -164,6 +173,8 @@ class _ClientProtocol(QuicConnectionProtocol):
         self.terminated: ConnectionTerminated | None = None
         self.refused: Exception | None = None
         self.handshake_done = False
+        self.early_data_accepted = False
+        self.session_resumed = False
         self.settled = asyncio.Event()  # handshake completed, or failed
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -183,6 +194,12 @@ class _ClientProtocol(QuicConnectionProtocol):
         if isinstance(exc, ConnectionRefusedError) and not self.handshake_done:
             self.refused = exc
             self.settled.set()
+            self.fail_streams(ConnectError("connection refused (nothing listens on that UDP port)"))
+
+    def fail_streams(self, exc: BaseException) -> None:
+        for rs in self.streams.values():
+            rs._on_error(exc)
+        self.streams.clear()
 
     def quic_event_received(self, event: QuicEvent) -> None:
         for h3_event in self.http.handle_event(event):
@@ -191,6 +208,8 @@ class _ClientProtocol(QuicConnectionProtocol):
             # Tracked here rather than with wait_connected(): on a fast loopback the handshake can
             # complete before a waiter exists, and aioquic then never marks the protocol connected.
             self.handshake_done = True
+            self.early_data_accepted = event.early_data_accepted
+            self.session_resumed = event.session_resumed
             self.settled.set()
         elif isinstance(event, StreamReset):
             rs = self.streams.pop(event.stream_id, None)
@@ -234,7 +253,9 @@ class H3Client:
     """One QUIC connection to an HTTP/3 server; an async context manager."""
 
     def __init__(self, host: str, port: int, *, ca_file: str | None = None, insecure: bool = False,
-                 server_name: str | None = None, connect_timeout: float = 5.0, idle_timeout: float = 60.0) -> None:
+                 server_name: str | None = None, connect_timeout: float = 5.0, idle_timeout: float = 60.0,
+                 session_ticket: SessionTicket | None = None,
+                 on_ticket: Callable[[SessionTicket], None] | None = None) -> None:
         self.host = host
         self.port = port
         self.ca_file = ca_file
@@ -242,6 +263,12 @@ class H3Client:
         self.server_name = server_name
         self.connect_timeout = connect_timeout
         self.idle_timeout = idle_timeout
+        self.session_ticket = session_ticket  # offered for resumption / 0-RTT
+        self.on_ticket = on_ticket
+        self.new_tickets: list[SessionTicket] = []  # received on this connection, newest last
+        self._addr: Any = None
+        self._watchdog: asyncio.Future[None] | None = None
+        self._family = socket.AF_INET
         self._protocol: _ClientProtocol | None = None
         self._transport: asyncio.DatagramTransport | None = None
         self.authority = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
@@ -253,11 +280,34 @@ class H3Client:
     async def __aexit__(self, *exc: Any) -> None:
         await self.close()
 
-    async def connect(self) -> None:
-        """Resolve, handshake; ConnectError (CertificateError) on failure within connect_timeout."""
+    @property
+    def early_data_accepted(self) -> bool:
+        """The handshake completed and the server accepted this connection's 0-RTT data."""
+        return self._protocol is not None and self._protocol.early_data_accepted
+
+    @property
+    def session_resumed(self) -> bool:
+        return self._protocol is not None and self._protocol.session_resumed
+
+    def _ticket_received(self, ticket: SessionTicket) -> None:
+        self.new_tickets.append(ticket)
+        if self.on_ticket is not None:
+            self.on_ticket(ticket)
+
+    def can_send_early_data(self) -> bool:
+        t = self.session_ticket
+        return (t is not None and t.is_valid and t.max_early_data_size is not None
+                and t.server_name == (self.server_name or self.host))
+
+    async def connect(self, *, early_data: bool = False) -> None:
+        """Resolve, handshake; ConnectError (CertificateError) on failure within connect_timeout.
+
+        early_data with a usable session ticket: return once the first flight is sent, so that the
+        requests opened next travel as 0-RTT data; a failed handshake then fails those requests."""
         loop = asyncio.get_running_loop()
         config = QuicConfiguration(is_client=True, alpn_protocols=H3_ALPN, idle_timeout=self.idle_timeout,
                                    server_name=self.server_name or self.host)
+        config.session_ticket = self.session_ticket
         if self.insecure:
             config.verify_mode = ssl.CERT_NONE
         elif self.ca_file:
@@ -271,11 +321,15 @@ class H3Client:
         except socket.gaierror as e:
             raise ConnectError(f"cannot resolve {self.host}: {e}") from None
         family, _, _, _, addr = infos[0]
-        quic = QuicConnection(configuration=config)
+        self._family, self._addr = family, addr[:2]
+        quic = QuicConnection(configuration=config, session_ticket_handler=self._ticket_received)
         self._transport, protocol = await loop.create_datagram_endpoint(
             lambda: _ClientProtocol(quic), family=family, remote_addr=addr[:2])
         self._protocol = protocol
         protocol.connect(addr)
+        if early_data and self.can_send_early_data():
+            self._watchdog = asyncio.ensure_future(self._fail_unless_settled(protocol))
+            return
         try:
             await asyncio.wait_for(protocol.settled.wait(), self.connect_timeout)
         except TimeoutError:
@@ -292,6 +346,43 @@ class H3Client:
         if protocol.refused is not None:
             raise ConnectError("connection refused (nothing listens on that UDP port)")
         raise ConnectError(f"no QUIC handshake within {self.connect_timeout:g}s")
+
+    async def _fail_unless_settled(self, protocol: _ClientProtocol) -> None:
+        """In 0-RTT mode nobody awaits the handshake: fail the requests if it does not complete."""
+        try:
+            await asyncio.wait_for(protocol.settled.wait(), self.connect_timeout)
+        except TimeoutError:
+            protocol.fail_streams(ConnectError(f"no QUIC handshake within {self.connect_timeout:g}s"))
+
+    async def wait_handshake(self, timeout: float | None = None) -> bool:
+        """Whether the handshake completed (within `timeout`, default connect_timeout)."""
+        p = self._protocol
+        if p is None:
+            return False
+        try:
+            await asyncio.wait_for(p.settled.wait(), self.connect_timeout if timeout is None else timeout)
+        except TimeoutError:
+            return False
+        return p.handshake_done and p.terminated is None
+
+    async def rebind(self) -> tuple[str, int]:
+        """Move this connection to a new local UDP port (what a NAT rebinding or a network change
+        looks like to the server); switch to a fresh connection ID when the server issued spares.
+        The server validates the new path and keeps every stream. Returns the new local address."""
+        p = self._protocol
+        if p is None:
+            raise ConnectError("not connected")
+        loop = asyncio.get_running_loop()
+        old = self._transport
+        self._transport, _ = await loop.create_datagram_endpoint(lambda: p, family=self._family,
+                                                                 remote_addr=self._addr)  # connection_made swaps it in
+        if p._quic._peer_cid_available:
+            p._quic.change_connection_id()
+        p._quic.send_ping(0)  # a non-probing packet from the new address: the server moves the path
+        p.transmit()
+        if old is not None:
+            old.close()
+        return self._transport.get_extra_info("sockname")[:2]
 
     async def close(self) -> None:
         if self._protocol is None:
@@ -471,6 +562,7 @@ class _ChatSession:
     max_tokens: int | None
     temperature: float | None
     headers: dict[str, str]
+    tickets: ClientTicketFile | None = None  # QUIC session tickets for 0-RTT; None: full handshakes
     messages: list[dict[str, Any]] = field(default_factory=list)
 
     @property
@@ -479,10 +571,12 @@ class _ChatSession:
 
     async def turn(self) -> tuple[int, str]:
         """Send the whole history, stream the answer to stdout; (a _Turn value, the answer's text)."""
+        t = self.tickets
         client = H3Client(self.target, self.port, ca_file=self.ca_file, insecure=self.insecure,
-                          connect_timeout=self.connect_timeout)
+                          connect_timeout=self.connect_timeout, session_ticket=t.load() if t else None,
+                          on_ticket=t.save if t else None)
         try:
-            await client.connect()
+            await client.connect(early_data=True)  # with a ticket from the last run: the request rides in 0-RTT
         except CertificateError as e:
             hint = ("pass --ca-file with the server's certificate (the daemon's own is <state_dir>/tls/cert.pem)"
                     " or --insecure to skip verification"
@@ -503,6 +597,11 @@ class _ChatSession:
             sys.stdout.write("\n")
             sys.stdout.flush()
             return _Turn.OK, "".join(parts)
+        except ConnectError as e:  # a 0-RTT attempt whose handshake failed
+            if parts:
+                sys.stdout.write("\n")
+            print(f"edged chat: could not reach edged at {self.where} over HTTP/3 (QUIC/UDP): {e}", file=sys.stderr)
+            return _Turn.UNREACHABLE, ""
         except HTTPError as e:
             if parts:
                 sys.stdout.write("\n")
@@ -519,7 +618,8 @@ class _ChatSession:
 
 def run_chat_command(prompt: str | None, host: str, port: int, ca_file: str | None, insecure: bool,
                      max_tokens: int | None, temperature: float | None, system: str | None = None,
-                     model: str | None = None, connect_timeout: float = 5.0, api_key: str | None = None) -> int:
+                     model: str | None = None, connect_timeout: float = 5.0, api_key: str | None = None,
+                     zero_rtt: bool = True) -> int:
     """`edged chat "PROMPT"`: stream the answer to stdout. 0 on success; 1 on any error (message on
     stderr); 130 on Ctrl-C.
 
@@ -532,7 +632,8 @@ def run_chat_command(prompt: str | None, host: str, port: int, ca_file: str | No
     if quic_log.level == logging.NOTSET:
         quic_log.setLevel(logging.ERROR)
     session = _ChatSession(_connect_host(host), port, ca_file, insecure, connect_timeout, model, max_tokens,
-                           temperature, {"authorization": f"Bearer {api_key}"} if api_key else {})
+                           temperature, {"authorization": f"Bearer {api_key}"} if api_key else {},
+                           ClientTicketFile(default_client_state_dir(), _connect_host(host), port) if zero_rtt else None)
     if system:
         session.messages.append({"role": "system", "content": system})
     if prompt is not None:

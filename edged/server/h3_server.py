@@ -10,21 +10,28 @@ bytes, so one slow client cannot grow memory without limit.
 
 The request side shared with HTTP/2 and HTTP/1.1 (tcp_server.py) is `HttpRequest` (request.py);
 `EdgedServer` owns both listeners, so drain and close cover both.
+
+QUIC specifics live beside it: admission control and Retry (quic_listener.py), connection-ID
+routing between workers (quic_routing.py), session tickets (quic_tickets.py) and the rule for
+requests that arrive as 0-RTT early data (quic_early_data.py): a replay-safe one runs at once, any
+other waits here until the handshake completes. A client that migrates (new address or port) keeps
+its connection; the move is logged and counted.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import socket
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from aioquic.asyncio import QuicConnectionProtocol
-from aioquic.asyncio.server import QuicServer
 from aioquic.h3.connection import H3_ALPN, ErrorCode, H3Connection, HeadersState
 from aioquic.h3.events import DataReceived, H3Event, HeadersReceived
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.events import (
     ConnectionTerminated,
+    HandshakeCompleted,
     ProtocolNegotiated,
     QuicEvent,
     StopSendingReceived,
@@ -33,6 +40,10 @@ from aioquic.quic.events import (
 )
 
 from edged.log import fields
+from edged.server.quic_early_data import replay_safe
+from edged.server.quic_listener import EdgedQuicServer
+from edged.server.quic_routing import CidRoute
+from edged.server.quic_tickets import TicketStore
 from edged.server.request import HttpRequest, RequestHandler, merge_headers
 from edged.server.settings import ServerSettings
 
@@ -52,12 +63,37 @@ class RequestStream(HttpRequest):
         super().__init__(protocol.server, protocol._loop, pseudo.get(":method", ""), pseudo.get(":path", ""), headers)
         self.protocol = protocol
         self.stream_id = stream_id
+        self.early_data = not protocol.handshake_done  # its headers came in 0-RTT packets
+        self.held_for_handshake = False
 
     def _peer_address(self) -> str | None:
         try:
             return self.protocol._quic._network_paths[0].addr[0]
         except (AttributeError, IndexError):
             return None
+
+    def _dispatch(self) -> None:
+        """Early data that is not replay-safe waits for the handshake (quic_early_data.py)."""
+        if self.held_for_handshake:
+            return
+        if self.early_data and not self.protocol.handshake_done:
+            router = self.server.router
+            safe = replay_safe(self.method, self.path, bytes(self.body), getattr(router, "sampling_defaults", {}))
+            log.info("early data request %s", fields(rid=self.request_id, path=self.path, replay_safe=safe,
+                                                      action="run" if safe else "wait_for_handshake"))
+            self.server.quic_event("early_data_run" if safe else "early_data_held")
+            if not safe:
+                self.held_for_handshake = True
+                self._cancel_body_timer()
+                self.protocol.hold_until_handshake(self)
+                return
+        super()._dispatch()
+
+    def release(self) -> None:
+        """The handshake completed: run the held request (unless the client went away meanwhile)."""
+        self.held_for_handshake = False
+        if not self.closed and self.cancel_reason is None:
+            super()._dispatch()
 
     # ---- the HttpRequest hooks, on aioquic's H3Connection
 
@@ -110,6 +146,10 @@ class HttpServerProtocol(QuicConnectionProtocol):
         self._drain_waiters: dict[int, asyncio.Future[None]] = {}
         self._keepalive: asyncio.TimerHandle | None = None
         self._header_timers: dict[int, asyncio.TimerHandle] = {}  # streams whose HEADERS frame is incomplete
+        self.handshake_done = False
+        self._held: list[RequestStream] = []  # early-data requests waiting for the handshake
+        self._handshake_timer: asyncio.TimerHandle | None = self._loop.call_later(
+            server.settings.quic_handshake_timeout_s, self._handshake_timed_out)
 
     @property
     def http(self) -> H3Connection:
@@ -127,6 +167,9 @@ class HttpServerProtocol(QuicConnectionProtocol):
         if isinstance(event, ProtocolNegotiated):
             if event.alpn_protocol in H3_ALPN:
                 self._http = H3Connection(self._quic)
+            return
+        if isinstance(event, HandshakeCompleted):
+            self._handshake_completed(event)
             return
         if self._http is not None:
             for h3_event in self._http.handle_event(event):
@@ -151,7 +194,36 @@ class HttpServerProtocol(QuicConnectionProtocol):
             if self._keepalive is not None:
                 self._keepalive.cancel()
                 self._keepalive = None
+            if self._handshake_timer is not None:
+                self._handshake_timer.cancel()
+                self._handshake_timer = None
+            self._held.clear()
             self.server._protocols.discard(self)
+
+    def _handshake_completed(self, event: HandshakeCompleted) -> None:
+        self.handshake_done = True
+        if self._handshake_timer is not None:
+            self._handshake_timer.cancel()
+            self._handshake_timer = None
+        if event.session_resumed:
+            self.server.quic_event("resumed")
+        if event.early_data_accepted:
+            self.server.quic_event("early_data_accepted")
+        held, self._held = self._held, []
+        for rs in held:
+            rs.release()
+
+    def hold_until_handshake(self, rs: RequestStream) -> None:
+        self._held.append(rs)
+
+    def _handshake_timed_out(self) -> None:
+        """Reap a connection whose handshake stalled (a flood's half-open connections hold a slot)."""
+        self._handshake_timer = None
+        if self.handshake_done or self._closed.is_set():
+            return
+        self.server.quic_event("handshake_timeout")
+        self._quic.close(error_code=0x0, reason_phrase="handshake timeout")
+        self.transmit()
 
     def _watch_headers(self, stream_id: int) -> None:
         """A request stream whose HEADERS frame has not completed gets body_timeout_s to complete it
@@ -252,7 +324,13 @@ class HttpServerProtocol(QuicConnectionProtocol):
                 del self._drain_waiters[stream_id]
 
     def datagram_received(self, data: bytes | str, addr: Any) -> None:
+        paths = self._quic._network_paths
+        before = paths[0].addr if paths else None
         super().datagram_received(data, addr)
+        if before is not None and paths and paths[0].addr != before:  # aioquic promoted a new path
+            self.server.quic_event("migrated")
+            log.info("connection migrated %s", fields(cid=self._quic.host_cid.hex(), old=_addr(before),
+                                                       new=_addr(paths[0].addr), streams=len(self._requests)))
         if self._drain_waiters:  # acknowledgements may have freed room
             low = self.server.settings.send_high_water // 2
             for sid, fut in list(self._drain_waiters.items()):
@@ -273,13 +351,21 @@ class HttpServerProtocol(QuicConnectionProtocol):
         self.ensure_keepalive()
 
 
+def _addr(addr: Any) -> str:
+    host, port = addr[0], addr[1]
+    return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
+
+
 class EdgedServer:
     """The running server: HTTP/3, plus HTTP/1.1 and HTTP/2 over TLS/TCP when `tcp` is set (both feed
     the one router). `close()`, `await shutdown(timeout)`, `port`, live `settings`."""
 
     def __init__(self, router: RequestHandler) -> None:
         self.router = router
-        self._quic_server: QuicServer | None = None
+        self._quic_server: EdgedQuicServer | None = None
+        self._quic_config: QuicConfiguration | None = None
+        self.tickets: TicketStore | None = None  # 0-RTT session tickets (serve(tickets=...))
+        self.quic_event: Callable[[str], None] = lambda name: None  # counts QUIC events (the worker's metrics)
         self.tcp: TcpListener | None = None  # the TCP listener (tcp_server.py), on the same port
         self._protocols: set[HttpServerProtocol] = set()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -293,6 +379,8 @@ class EdgedServer:
     def settings(self, value: ServerSettings) -> None:
         """Live reload: takes effect for new requests (the QUIC idle timeout only for new connections)."""
         self.router.settings = value
+        if self._quic_config is not None:
+            self._quic_config.idle_timeout = value.idle_timeout_s
 
     @property
     def address(self) -> tuple[str, int]:
@@ -356,6 +444,8 @@ class EdgedServer:
             rs.cancel("server_closed")
         if self._quic_server is not None:
             self._quic_server.close()
+        if self.tickets is not None:
+            self.tickets.close()
         if self.tcp is not None:
             self.tcp.close()
         self._protocols.clear()
@@ -398,11 +488,16 @@ async def serve(
     sock: socket.socket | None = None,
     tcp: bool = False,
     tcp_sock: socket.socket | None = None,
+    route: CidRoute = CidRoute(),
+    tickets: TicketStore | None = None,
 ) -> EdgedServer:
     """Listen for HTTP/3 on UDP host:port (IPv4 or IPv6; port 0 picks a free one), or on `sock`, a
     bound UDP socket (a worker's share of the daemon's SO_REUSEPORT group), and hand every request
     to `router`. With `tcp_sock` (a listening TCP socket) or `tcp`, HTTP/1.1 and HTTP/2 over TLS
-    are served too: on `tcp_sock`, else on TCP at the UDP socket's address."""
+    are served too: on `tcp_sock`, else on TCP at the UDP socket's address.
+
+    `route`: this worker's share of a connection-ID-routed SO_REUSEPORT group (quic_routing.py);
+    `tickets`: the shared session-ticket store that enables resumption and 0-RTT (quic_tickets.py)."""
     settings = router.settings
     config = QuicConfiguration(
         is_client=False,
@@ -412,12 +507,16 @@ async def serve(
     )
     config.load_cert_chain(certfile, keyfile)
     server = EdgedServer(router)
+    server._quic_config = config
+    server.tickets = tickets
     loop = asyncio.get_running_loop()
     if tcp and sock is None and tcp_sock is None and port == 0:
         sock, tcp_sock = free_port_pair(host)  # a UDP port whose TCP twin is free too
     where: dict[str, Any] = {"sock": sock} if sock is not None else {"local_addr": (host, port)}
     _, server._quic_server = await loop.create_datagram_endpoint(
-        lambda: QuicServer(configuration=config, create_protocol=server._create_protocol), **where)
+        lambda: EdgedQuicServer(configuration=config, create_protocol=server._create_protocol,
+                                settings=lambda: server.settings, route=route, tickets=tickets,
+                                on_event=lambda name: server.quic_event(name)), **where)
     h, p = server.address
     log.info("listening %s", fields(proto="h3", host=h, port=p))
     if tcp or tcp_sock is not None:

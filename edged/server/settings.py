@@ -41,3 +41,9 @@ class ServerSettings:
     access_log: bool = True  # one INFO line per finished request (else DEBUG)
     allow_special_tokens_in_prompt: bool = False  # /v1/completions text may write control tokens
     worker: str | None = None  # the front-end worker's name, sent as x-edged-worker (matches its log lines)
+    # QUIC (quic_listener.py, quic_tickets.py, quic_early_data.py); per worker process
+    zero_rtt: bool = True  # issue session tickets and accept 0-RTT (replay-safe requests only run early)
+    quic_max_connections: int = 2048  # more: new connections refused
+    quic_max_connections_per_address: int = 64  # from one client IP
+    quic_retry_above_per_s: float = 200.0  # new handshakes/s above which Initials get a Retry; 0: always
+    quic_handshake_timeout_s: float = 10.0  # a handshake not complete by then: the connection is closed

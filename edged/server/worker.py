@@ -17,13 +17,14 @@ import logging
 import os
 import signal
 import socket
+import sqlite3
 import threading
 import time
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from edged.config import Config, is_loopback
+from edged.config import Config, auto_workers, is_loopback
 from edged.log import fields, setup_logging
 from edged.metrics import EdgedMetrics, EngineSnapshot
 from edged.processes import process_table
@@ -54,7 +55,22 @@ def server_settings(config: Config, worker: str | None = None) -> ServerSettings
         access_log=config.logging.access_log,
         allow_special_tokens_in_prompt=config.limits.allow_special_tokens_in_prompt,
         worker=worker,
+        idle_timeout_s=config.server.quic.idle_timeout_s,
+        zero_rtt=config.server.zero_rtt,
+        quic_max_connections=config.server.quic.max_connections,
+        quic_max_connections_per_address=config.server.quic.max_connections_per_address,
+        quic_retry_above_per_s=config.server.quic.retry_above_handshakes_per_s,
+        quic_handshake_timeout_s=config.server.quic.handshake_timeout_s,
     )
+
+
+def cid_route(config: Config, worker: str) -> Any:
+    """Worker "wI" of N: the connection IDs it issues route to socket I of the group (quic_routing.py)."""
+    from edged.server.quic_routing import CidRoute
+
+    index = int(worker[1:]) if worker[:1] == "w" and worker[1:].isdigit() else 0
+    count = auto_workers(config.server.workers)
+    return CidRoute(index, count) if index < count else CidRoute()
 
 
 class Worker:
@@ -69,6 +85,7 @@ class Worker:
         self.metrics = EdgedMetrics()
         self.server = None
         self.result_cache = None
+        self.tickets = None  # QUIC session tickets (quic_tickets.TicketStore), shared through the state dir
         self._drain = asyncio.Event()
         self._drain_timeout: float | None = None  # from the supervisor's "drain"; None: the config's
 
@@ -93,8 +110,9 @@ class Worker:
         await self._open_result_cache()
         router = Router(self.engine, server_settings(cfg, self.name),
                         sampling_defaults=self.sampling_defaults)
+        self.tickets = await asyncio.to_thread(self._open_tickets)
         self.server = await serve(router, cfg.server.host, cfg.server.port, certfile, keyfile, sock=sock,
-                                  tcp_sock=tcp_sock)
+                                  tcp_sock=tcp_sock, route=cid_route(cfg, self.name), tickets=self.tickets)
         self.mount(router)
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, self._drain.set)  # systemd's KillMode=mixed sends it only to the supervisor
@@ -126,6 +144,16 @@ class Worker:
         self.cache_front = ResultCacheFront(self.result_cache, self.engine.model_id)
         self.cache_front.on_lookup = self.metrics.observe_cache_lookup
 
+    def _open_tickets(self) -> Any:
+        from edged.server.quic_tickets import TICKETS_DB, TicketStore
+
+        q = self.config.server.quic
+        try:
+            return TicketStore(Path(self.config.server.state_dir) / TICKETS_DB, q.ticket_lifetime_s, q.max_tickets)
+        except (OSError, sqlite3.Error) as e:  # a read-only state dir: no 0-RTT, still serving
+            log.warning("quic session tickets off %s", fields(worker=self.name, error=repr(e)))
+            return None
+
     def mount(self, router: Any) -> None:
         """Health, metrics and the result cache on the router."""
         router.health_check = self.engine_alive
@@ -139,6 +167,8 @@ class Worker:
         src.config = lambda: self.config
         if self.run_dir is not None:
             src.processes = lambda: process_table(self.run_dir)
+        if self.server is not None:
+            self.server.quic_event = self.metrics.observe_quic_event
 
     def _engine_snapshot(self) -> EngineSnapshot | None:
         stats = getattr(self.engine, "engine_stats", None)
@@ -197,6 +227,8 @@ class Worker:
             await asyncio.to_thread(self.result_cache.reconfigure, c.max_bytes, c.ttl_s, c.enabled)
         if self.server is not None:
             self.server.settings = server_settings(new, self.name)
+        if self.tickets is not None:
+            self.tickets.lifetime_s, self.tickets.max_tickets = new.server.quic.ticket_lifetime_s, new.server.quic.max_tickets
         log.debug("config applied %s", fields(worker=self.name))
 
     async def _heartbeat(self) -> None:
