@@ -120,6 +120,17 @@ def build_parser(bench_arguments: bool = True) -> argparse.ArgumentParser:
     if bench_arguments:
         from edged.bench.transport import add_arguments as add_transport_arguments
         add_transport_arguments(trn)
+    net = bench_sub.add_parser(
+        "network", help="HTTP/3 vs HTTP/2 over TLS/TCP under packet loss and added delay (root: network namespaces)",
+        description="As root, create two network namespaces joined by a delay line, run `edged serve` on a tiny "
+                    "random-weight model in one and a client in the other, drop packets with nftables and add "
+                    "one-way delay, and compare 8 streams on one connection over HTTP/3 and over HTTP/2 (TLS/TCP): "
+                    "TTFT p50/p99, inter-token gap p99 and max (stalls), total time; then a returning client's "
+                    "TTFT with a full handshake and with 0-RTT. Prints the table and issue 17's acceptance checks; "
+                    "exits 77 with the reason when it cannot run here (not root, no ip or nft).")
+    if bench_arguments:
+        from edged.bench.network import add_arguments as add_network_arguments
+        add_network_arguments(net)
     eng = bench_sub.add_parser(
         "engine", help="the engine alone under a closed loop of requests (prefill + decode), no HTTP",
         description="Run CONCURRENCY requests at a time through the engine in this process, each finished one "

@@ -1,4 +1,4 @@
-"""`edged bench decode | engine | kernels | serve | transport | accuracy`: each kind in its own module, imported when run."""
+"""`edged bench decode | engine | kernels | serve | transport | network | accuracy`: each kind in its own module, imported when run."""
 from __future__ import annotations
 
 import argparse
@@ -14,6 +14,10 @@ def run_bench_command(args: argparse.Namespace) -> int:
         from edged.bench.transport import run_transport_bench
 
         return run_transport_bench(args)
+    if args.bench == "network":
+        from edged.bench.network import run_network_bench
+
+        return run_network_bench(args)
     if args.bench == "decode":
         from edged.bench.decode import run_decode_bench
 
