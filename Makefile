@@ -12,6 +12,8 @@ install:
 install-test: install
 	$(PY) -m pip install -q -r requirements-ci.txt
 	command -v systemd-analyze >/dev/null || (apt-get update -qq && apt-get install -y -qq --no-install-recommends systemd >/dev/null)
+# headless Chromium for tests/test_browser_h3.py (driven by Playwright, which downloads no browser)
+	command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq --no-install-recommends chromium >/dev/null)
 
 run: install
 	edged serve --state-dir $(STATE_DIR) --listen 127.0.0.1:4433
