@@ -124,6 +124,7 @@ class QuicConfig:
     max_connections: int = _f(2048, gt=0)  # per worker; more: new connections refused
     max_connections_per_address: int = _f(64, gt=0)  # per worker, from one client IP
     retry_above_handshakes_per_s: float = _f(200.0, ge=0)  # Retry (address validation) above this; 0: always
+    retry_above_unvalidated_per_address: int = _f(8, gt=0)  # unproven handshakes in flight from one IP
     handshake_timeout_s: float = _f(10.0, gt=0)  # a handshake not complete by then is dropped
     idle_timeout_s: float = _f(60.0, gt=0)  # a connection silent this long is closed (new connections)
     ticket_lifetime_s: float = _f(86400.0, gt=0, le=86400)  # 0-RTT session tickets (aioquic announces 24 h)

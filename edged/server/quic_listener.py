@@ -4,11 +4,15 @@ A new connection (an Initial packet for an unknown connection ID) costs the serv
 handshake and a connection's state, and asks nothing of the sender. Before creating one:
 
 1. total cap: this worker holds `quic_max_connections` connections -> refused;
-2. Retry (RFC 9000 8.1.2): while this worker sees more than `quic_retry_above_per_s` new
-   handshakes per second (0: always), an Initial without a token gets a stateless Retry; only a
-   client that really owns its address comes back with the token (an AES-GCM token, aioquic's
-   QuicRetryTokenHandler; cheap next to a handshake);
-3. per-address cap: `quic_max_connections_per_address` connections from one IP -> refused.
+2. Retry (RFC 9000 8.1.2): an Initial without a token gets a stateless Retry while this worker
+   sees more than `quic_retry_above_per_s` new handshakes per second (0: always), or while its
+   address has `quic_retry_above_unvalidated_per_address` handshakes in flight that never proved
+   the address, or holds `quic_max_connections_per_address` connections; only a client that
+   really owns its address comes back with the token (AES-GCM, aioquic's QuicRetryTokenHandler;
+   cheap next to a handshake);
+3. per-address cap for clients that came back with a token: `quic_max_connections_per_address`
+   connections from that IP, not counting half-open connections that never proved the address
+   (a spoofed flood's), so such a flood cannot lock a real client behind the same IP out -> refused.
 
 Refused means a CONNECTION_CLOSE with CONNECTION_REFUSED in a server Initial, no larger than what
 the client sent, so the client fails at once instead of timing out. Connections whose handshake
@@ -20,7 +24,6 @@ Connection IDs route to this worker (quic_routing.CidRoute), Retry source IDs in
 from __future__ import annotations
 
 import logging
-from collections import Counter
 from collections.abc import Callable
 from functools import partial
 from typing import Any, cast
@@ -108,7 +111,8 @@ class EdgedQuicServer(QuicServer):
         self._retry_tokens = QuicRetryTokenHandler()
         self._rate = HandshakeRate()
         self._host_of: dict[QuicConnectionProtocol, str] = {}  # live connections -> the client's IP
-        self._per_host: Counter[str] = Counter()
+        self._per_host: dict[str, set[QuicConnectionProtocol]] = {}
+        self._validated: set[QuicConnectionProtocol] = set()  # created with a Retry token
 
     # ---- session tickets (0-RTT); live: zero_rtt off stops issuing and accepting them
 
@@ -130,7 +134,12 @@ class EdgedQuicServer(QuicServer):
         return len(self._host_of)
 
     def connections_from(self, host: str) -> int:
-        return self._per_host.get(host, 0)
+        return len(self._per_host.get(host, ()))
+
+    def _proven_from(self, host: str) -> int:
+        """Connections from `host` that proved the address: by a Retry token or a completed handshake."""
+        return sum(1 for p in self._per_host.get(host, ())
+                   if p in self._validated or getattr(p, "handshake_done", False))
 
     def datagram_received(self, data: bytes | str, addr: NetworkAddress) -> None:
         data = cast(bytes, data)
@@ -170,7 +179,12 @@ class EdgedQuicServer(QuicServer):
                                                       "invalid token"), addr)
                 return None
             retry_scid = header.destination_cid
-        elif st.quic_retry_above_per_s == 0 or self._rate.per_s(now) >= st.quic_retry_above_per_s:
+            if self._proven_from(host) >= st.quic_max_connections_per_address:
+                return self._refuse(header, addr, "refused_per_address", "too many connections from this address")
+        elif (st.quic_retry_above_per_s == 0 or self._rate.per_s(now) >= st.quic_retry_above_per_s
+              or self.connections_from(host) - self._proven_from(host) >= st.quic_retry_above_unvalidated_per_address
+              or self.connections_from(host) >= st.quic_max_connections_per_address):
+            # Stateless: a flood from spoofed addresses costs one small packet each.
             scid = self._route.new_cid(self._configuration.connection_id_length)
             token = self._retry_tokens.create_token(address=addr, original_destination_connection_id=header.destination_cid,
                                                     retry_source_connection_id=scid, now=now)
@@ -180,9 +194,8 @@ class EdgedQuicServer(QuicServer):
                                                      retry_token=token), addr)
             self._on_event("retry_sent")
             return None
-        if self._per_host[host] >= st.quic_max_connections_per_address:
-            return self._refuse(header, addr, "refused_per_address", "too many connections from this address")
-        self._rate.add(now)
+        if retry_scid is None:
+            self._rate.add(now)  # handshakes that start now, unvalidated
         connection = RoutedQuicConnection(
             route=self._route, configuration=self._configuration,
             original_destination_connection_id=original_dcid, retry_source_connection_id=retry_scid,
@@ -195,7 +208,9 @@ class EdgedQuicServer(QuicServer):
         self._protocols[header.destination_cid] = protocol
         self._protocols[connection.host_cid] = protocol
         self._host_of[protocol] = host
-        self._per_host[host] += 1
+        self._per_host.setdefault(host, set()).add(protocol)
+        if retry_scid is not None:
+            self._validated.add(protocol)
         self._on_event("accepted" if retry_scid is None else "accepted_after_retry")
         return protocol
 
@@ -208,12 +223,15 @@ class EdgedQuicServer(QuicServer):
     def _connection_terminated(self, protocol: QuicConnectionProtocol) -> None:
         super()._connection_terminated(protocol)
         host = self._host_of.pop(protocol, None)
+        self._validated.discard(protocol)
         if host is not None:
-            self._per_host[host] -= 1
-            if self._per_host[host] <= 0:
-                del self._per_host[host]
+            conns = self._per_host.get(host, set())
+            conns.discard(protocol)
+            if not conns:
+                self._per_host.pop(host, None)
 
     def close(self) -> None:
         super().close()
         self._host_of.clear()
         self._per_host.clear()
+        self._validated.clear()

@@ -46,4 +46,5 @@ class ServerSettings:
     quic_max_connections: int = 2048  # more: new connections refused
     quic_max_connections_per_address: int = 64  # from one client IP
     quic_retry_above_per_s: float = 200.0  # new handshakes/s above which Initials get a Retry; 0: always
+    quic_retry_above_unvalidated_per_address: int = 8  # unproven handshakes in flight from one IP; more: Retry
     quic_handshake_timeout_s: float = 10.0  # a handshake not complete by then: the connection is closed

@@ -60,6 +60,7 @@ def server_settings(config: Config, worker: str | None = None) -> ServerSettings
         quic_max_connections=config.server.quic.max_connections,
         quic_max_connections_per_address=config.server.quic.max_connections_per_address,
         quic_retry_above_per_s=config.server.quic.retry_above_handshakes_per_s,
+        quic_retry_above_unvalidated_per_address=config.server.quic.retry_above_unvalidated_per_address,
         quic_handshake_timeout_s=config.server.quic.handshake_timeout_s,
     )
 
