@@ -15,6 +15,7 @@ import re
 import shutil
 import subprocess
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from edged.bench.delay_wire import DelayWire
 
@@ -93,6 +94,20 @@ class NetnsLab:
         except (RuntimeError, OSError):
             self.close()
             raise
+
+    def tcp_congestion_control(self) -> str:
+        """The daemon's namespace's net.ipv4.tcp_congestion_control (a new namespace starts with the host's)."""
+        return _run(*self.netns_exec(self.server_ns), "cat", "/proc/sys/net/ipv4/tcp_congestion_control").strip()
+
+    def set_tcp_congestion_control(self, name: str) -> None:
+        """Set it in both namespaces. Outside the host's namespace the kernel allows only the algorithms
+        in net.ipv4.tcp_allowed_congestion_control (RuntimeError otherwise)."""
+        allowed = Path("/proc/sys/net/ipv4/tcp_allowed_congestion_control").read_text().split()
+        if name not in allowed:
+            raise RuntimeError(f"TCP congestion control {name!r} cannot be set in a network namespace here: "
+                               f"net.ipv4.tcp_allowed_congestion_control is {' '.join(allowed)!r}")
+        for ns in (self.client_ns, self.server_ns):
+            _run(*self.netns_exec(ns), "sysctl", "-q", "-w", f"net.ipv4.tcp_congestion_control={name}")
 
     def set_delay(self, one_way_ms: float) -> None:
         assert self.wire is not None

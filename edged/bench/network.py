@@ -4,14 +4,15 @@
 
 As root it creates two network namespaces joined by a delay line (netns_lab.py, delay_wire.py):
 `edged serve` runs in one, on a tiny random-weight model with the default model's tokenizer
-(tiny_model.py) so that the path, not the model, sets the pace; a client process runs in the other
+(tiny_model.py), its steps paced to --step-ms like a GPU's (lab_daemon.py), so that the path,
+not the model or a busy CPU, sets the pace; a client process runs in the other
 (network_client.py). nftables drops N% of the UDP and TCP packets each way; the delay line adds the
 one-way delay. Per case (protocol x loss x delay), REPS runs of STREAMS concurrent streaming
 chat completions of TOKENS tokens on one connection: TTFT p50/p99, inter-token gap p50/p99/max
 (stalls), total time. Then a returning client at each delay: TTFT of one request on a new
 connection with a full QUIC handshake, with 0-RTT (a session ticket from the previous
 connection), and over a new TLS/TCP connection. --quic-cc runs the HTTP/3 cases once per server
-congestion control (quic_cc_daemon.py sets it). Output: the table on stdout, --json, --plot.
+congestion control (lab_daemon.py sets it). Output: the table on stdout, --json, --plot.
 
 Loss comes from the kernel's random numbers (nftables `numgen random` cannot be seeded), so runs
 differ; the prompts and seeds are fixed, the protocol order alternates between repetitions, and
@@ -46,6 +47,8 @@ class NetworkConfig:
     quic_ccs: list[str] = field(default_factory=lambda: ["reno"])
     returning_reps: int = 5
     quic_initial_rtt_ms: float | None = None
+    step_ms: float = 20.0
+    tcp_cc: str | None = None  # None: the namespace's default (the host's)
     model: str | None = None
     ready_timeout_s: float = 300.0
 
@@ -65,9 +68,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the daemon's QUIC congestion control, comma-separated to compare: reno, cubic (aioquic's "
                         "two); the HTTP/3 cases run once per value, the daemon restarted for each "
                         "(default: %(default)s, aioquic's default)")
+    p.add_argument("--tcp-cc", metavar="NAME",
+                   help="the kernel's TCP congestion control in both namespaces, for HTTP/2: one of "
+                        "net.ipv4.tcp_allowed_congestion_control (default: the host's default, which a new "
+                        "namespace starts with)")
     p.add_argument("--quic-initial-rtt", type=float, metavar="MS",
                    help="the daemon's QUIC initial RTT estimate in ms (aioquic: 100), which sets the probe "
                         "timeout until the first RTT sample")
+    p.add_argument("--step-ms", type=float, default=20.0,
+                   help="every engine step takes at least this long (the tiny model's own steps take a few ms): "
+                        "tokens come at a GPU's pace, 1000/STEP_MS per second per stream, and the CPU stays free "
+                        "for the network stacks; 0 for as fast as the model goes (default: %(default)s)")
     p.add_argument("--returning-reps", type=int,
                    help="returning-client requests per mode and delay, 0 to skip them (default: 5)")
     p.add_argument("--model", metavar="PATH", help="serve this .gguf file or Hugging Face directory instead of "
@@ -105,7 +116,8 @@ def config_from_args(args: argparse.Namespace) -> NetworkConfig:
     cfg = NetworkConfig(losses=parse_list(args.loss, "--loss", int), delays_ms=parse_list(args.delay, "--delay", float),
                         streams=args.streams, max_tokens=args.tokens, reps=args.reps,
                         quic_ccs=[c.strip() for c in args.quic_cc.split(",") if c.strip()],
-                        returning_reps=args.returning_reps, quic_initial_rtt_ms=args.quic_initial_rtt,
+                        returning_reps=args.returning_reps, quic_initial_rtt_ms=args.quic_initial_rtt, step_ms=args.step_ms,
+                        tcp_cc=args.tcp_cc,
                         model=args.model, ready_timeout_s=args.ready_timeout)
     if any(not 0 <= v < 100 for v in cfg.losses):
         raise ValueError(f"--loss: percentages from 0 to 99, got {args.loss}")
@@ -114,6 +126,8 @@ def config_from_args(args: argparse.Namespace) -> NetworkConfig:
     for flag, v in (("--streams", cfg.streams), ("--tokens", cfg.max_tokens), ("--reps", cfg.reps)):
         if v < 1:
             raise ValueError(f"{flag}: must be positive, got {v}")
+    if cfg.step_ms < 0:
+        raise ValueError(f"--step-ms: must not be negative, got {cfg.step_ms}")
     if cfg.returning_reps < 0:
         raise ValueError(f"--returning-reps: must not be negative, got {cfg.returning_reps}")
     bad = [c for c in cfg.quic_ccs if c not in QUIC_CCS]
@@ -181,19 +195,33 @@ class ClientProcess:
 
 
 def start_daemon(prefix: list[str], config_path: Path, env: dict[str, str]) -> Any:
-    """`edged serve` (through quic_cc_daemon, which applies the QUIC settings in `env`) in the
+    """`edged serve` (through lab_daemon, which applies the QUIC settings in `env`) in the
     daemon's namespace, as a LocalDaemon: the same log pump, readiness wait and SIGTERM stop."""
     import threading
 
     from edged.bench.local_daemon import LocalDaemon
 
-    proc = subprocess.Popen([*prefix, sys.executable, "-m", "edged.bench.quic_cc_daemon", "serve", "--config",
+    proc = subprocess.Popen([*prefix, sys.executable, "-m", "edged.bench.lab_daemon", "serve", "--config",
                              str(config_path)], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1", **env})
     daemon = LocalDaemon(proc)  # `ip netns exec` execs the command: proc.pid is the daemon itself
     threading.Thread(target=daemon._pump, name="edged-log", daemon=True).start()
     return daemon
+
+
+DAEMON_READY = "edged.daemon: ready "  # the supervisor's line; the engine core's "engine core ready" comes first
+
+
+def wait_daemon_ready(daemon: Any, timeout_s: float) -> None:
+    """RuntimeError with the log's end when the supervisor does not say ready in time (LocalDaemon's own
+    wait also takes the core's earlier "ready" line, before the worker listens)."""
+    deadline = time.monotonic() + timeout_s
+    daemon.wait_ready(timeout_s)
+    while not any(DAEMON_READY in line for line in list(daemon.log)):
+        if daemon.proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"edged serve did not become ready:\n{daemon.log_tail()}")
+        time.sleep(0.05)
 
 
 def load_average() -> float:
@@ -206,7 +234,7 @@ def run_network(cfg: NetworkConfig, workdir: Path) -> dict[str, Any]:
 
     from edged.bench.netns_lab import SERVER_ADDR, NetnsLab
     from edged.bench.network_report import (acceptance, report_dict, summarize_case, summarize_returning)
-    from edged.bench.quic_cc_daemon import CC_ENV, INITIAL_RTT_ENV
+    from edged.bench.lab_daemon import CC_ENV, INITIAL_RTT_ENV, STEP_MS_ENV
     from edged.server.tls import ensure_cert
 
     if cfg.model:
@@ -224,6 +252,13 @@ def run_network(cfg: NetworkConfig, workdir: Path) -> dict[str, Any]:
                                           sort_keys=False))
     lab = NetnsLab()
     lab.create()
+    try:
+        if cfg.tcp_cc:
+            lab.set_tcp_congestion_control(cfg.tcp_cc)
+        tcp_cc = lab.tcp_congestion_control()
+    except RuntimeError:
+        lab.close()
+        raise
     raw: list[dict[str, Any]] = []
     cases = []
     returning = []
@@ -233,7 +268,7 @@ def run_network(cfg: NetworkConfig, workdir: Path) -> dict[str, Any]:
         client = ClientProcess.start(lab.netns_exec(lab.client_ns), SERVER_ADDR, SERVER_PORT, ca_file)
         try:
             for k, cc in enumerate(cfg.quic_ccs):
-                env = {CC_ENV: cc}
+                env = {CC_ENV: cc, STEP_MS_ENV: str(cfg.step_ms)}
                 if cfg.quic_initial_rtt_ms is not None:
                     env[INITIAL_RTT_ENV] = str(cfg.quic_initial_rtt_ms)
                 lab.set_delay(0)
@@ -241,12 +276,14 @@ def run_network(cfg: NetworkConfig, workdir: Path) -> dict[str, Any]:
                 t = time.perf_counter()
                 daemon = start_daemon(lab.netns_exec(lab.server_ns), config_path, env)
                 try:
-                    daemon.wait_ready(cfg.ready_timeout_s)
+                    wait_daemon_ready(daemon, cfg.ready_timeout_s)
                     _say(f"edged ready in its namespace at {SERVER_ADDR}:{SERVER_PORT} in "
                          f"{time.perf_counter() - t:.1f} s (QUIC congestion control: {cc})")
-                    protos = [("h3", f"h3/{cc}")] + ([("h2", "h2/tcp")] if k == 0 else [])
+                    protos = [("h3", f"h3/{cc}")] + ([("h2", f"h2/{tcp_cc}")] if k == 0 else [])
+                    t = time.perf_counter()
                     for proto, _ in protos:  # not counted: the first batch of a fresh daemon is slow
                         client.call({"op": "streams", "proto": proto, "streams": cfg.streams, "max_tokens": 16})
+                    _say(f"warm-up runs took {time.perf_counter() - t:.1f} s")
                     for delay in cfg.delays_ms:
                         lab.set_delay(delay)
                         for loss in cfg.losses:
@@ -276,7 +313,9 @@ def run_network(cfg: NetworkConfig, workdir: Path) -> dict[str, Any]:
                                 r = returning[-1]
                                 _say(f"returning client +{delay:g} ms, {mode}: ttft {r.ttft_p50_ms} ms {r.note}")
                 finally:
+                    t = time.perf_counter()
                     status = daemon.stop()
+                    _say(f"edged stopped in {time.perf_counter() - t:.1f} s")
                     if status != 0:
                         _say(f"edged serve exited with status {status} after SIGTERM:\n{daemon.log_tail()}")
         finally:
@@ -287,10 +326,10 @@ def run_network(cfg: NetworkConfig, workdir: Path) -> dict[str, Any]:
         lab.close()
     checks = acceptance(cases, returning)
     meta = {"losses_pct": cfg.losses, "delays_ms": cfg.delays_ms, "streams": cfg.streams, "tokens": cfg.max_tokens,
-            "reps": cfg.reps, "quic_ccs": cfg.quic_ccs, "quic_initial_rtt_ms": cfg.quic_initial_rtt_ms,
+            "reps": cfg.reps, "step_ms": cfg.step_ms, "quic_ccs": cfg.quic_ccs, "quic_initial_rtt_ms": cfg.quic_initial_rtt_ms,
             "model": cfg.model or "tiny random-weight (default tokenizer)", "cpus": os.cpu_count(),
             "load_average_1m": loads, "duration_s": round(time.perf_counter() - started, 1),
-            "tcp_congestion_control": Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip()}
+            "tcp_congestion_control": tcp_cc}
     return {"report": report_dict(meta, cases, returning, checks, raw), "cases": cases, "returning": returning,
             "checks": checks}
 

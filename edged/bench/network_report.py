@@ -20,7 +20,7 @@ def _ms(v: float | None) -> float | None:
 
 @dataclass(slots=True)
 class CaseSummary:
-    proto: str  # "h3/reno", "h3/cubic", "h2/tcp"
+    proto: str  # "h3/reno", "h3/cubic", "h2/cubic" (QUIC's or the kernel's TCP congestion control)
     loss_pct: int
     delay_ms: float
     reps: int
