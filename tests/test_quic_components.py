@@ -1,0 +1,210 @@
+"""The QUIC parts on their own: the session-ticket stores, the replay rule, connection-ID routing
+(a real SO_REUSEPORT group with the cBPF program), admission control on an in-process server
+(real QUIC over loopback, fake engine), and the config keys."""
+from __future__ import annotations
+
+import datetime as dt
+import os
+import socket
+import stat
+import time
+
+import pytest
+from aioquic.tls import CipherSuite, SessionTicket
+
+from edged.config import ConfigError, parse_config
+from edged.daemon import bind_udp
+from edged.server.h3_client import ConnectError, H3Client
+from edged.server.quic_early_data import replay_safe
+from edged.server.quic_routing import CidRoute, attach_cid_routing
+from edged.server.quic_tickets import ClientTicketFile, TicketStore, decode_ticket, encode_ticket
+from edged.server.settings import ServerSettings
+from helpers.aio import run
+from helpers.fake_engine import FakeEngine, ServerThread, wait_until
+from helpers.quic_flood import initial_packets
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def ticket(ticket_id: bytes = b"t" * 64, valid_s: float = 3600) -> SessionTicket:
+    now = dt.datetime.now(dt.timezone.utc)
+    return SessionTicket(age_add=7, cipher_suite=CipherSuite.AES_128_GCM_SHA256, not_valid_after=now + dt.timedelta(seconds=valid_s),
+                         not_valid_before=now, resumption_secret=b"s" * 32, server_name="localhost", ticket=ticket_id,
+                         max_early_data_size=0xFFFFFFFF, other_extensions=[(0x39, b"params")])
+
+
+# ------------------------------------------------------------------ session tickets
+
+def test_ticket_codec_round_trips_and_rejects_garbage() -> None:
+    t = ticket()
+    back = decode_ticket(encode_ticket(t))
+    assert back is not None and encode_ticket(back) == encode_ticket(t)
+    assert back.other_extensions == [(0x39, b"params")] and back.cipher_suite == CipherSuite.AES_128_GCM_SHA256
+    assert decode_ticket(b"\x93not a ticket") is None
+
+
+def test_the_server_store_is_shared_private_single_use_and_bounded(tmp_path) -> None:
+    path = tmp_path / "quic_tickets.sqlite"
+    w0, w1 = TicketStore(path, 3600, max_tickets=32), TicketStore(path, 3600, max_tickets=32)  # two workers
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    w0.add(ticket(b"a" * 64))
+    found = w1.take(b"a" * 64)  # issued by one worker, redeemed at another
+    assert found is not None and found.resumption_secret == b"s" * 32
+    assert w0.take(b"a" * 64) is None and w1.take(b"a" * 64) is None  # used once: a replay finds nothing
+    for i in range(100):
+        w0.add(ticket(i.to_bytes(64, "big")))
+    assert w0.count() <= 32 + 32 // 16 and w0.take((99).to_bytes(64, "big")) is not None  # newest kept
+    assert w0.take((0).to_bytes(64, "big")) is None  # oldest dropped
+    short = TicketStore(path, lifetime_s=1, max_tickets=32)
+    short.add(ticket(b"b" * 64))
+    assert short.take(b"b" * 64).not_valid_after <= dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=1)
+    w0._db.execute("INSERT INTO tickets VALUES (?, ?, ?)", (b"c" * 64, time.time() - 7200, encode_ticket(ticket())))
+    assert w1.take(b"c" * 64) is None  # older than the lifetime
+    for s in (w0, w1, short):
+        s.close()
+
+
+def test_the_client_keeps_one_private_ticket_per_server(tmp_path) -> None:
+    f = ClientTicketFile(tmp_path, "127.0.0.1", 4433)
+    assert f.load() is None
+    f.save(ticket())
+    assert stat.S_IMODE(os.stat(f.path).st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(f.path.parent).st_mode) == 0o700
+    assert f.load().ticket == ticket().ticket
+    assert ClientTicketFile(tmp_path, "127.0.0.1", 4434).load() is None
+    f.save(ticket(valid_s=-1))  # expired: not offered
+    assert f.load() is None
+
+
+# ------------------------------------------------------------------ the replay rule
+
+@pytest.mark.parametrize("method,path,body,defaults,safe", [
+    ("GET", "/v1/models", b"", {}, True),
+    ("GET", "/metrics", b"", {}, True),
+    ("POST", "/v1/chat/completions", b'{"messages":[{"role":"user","content":"hi"}],"temperature":0}', {}, True),
+    ("POST", "/v1/completions", b'{"prompt":"hi","temperature":0.9,"seed":3}', {}, True),
+    ("POST", "/v1/chat/completions", b'{"messages":[{"role":"user","content":"hi"}]}', {"temperature": 0.0}, True),
+    ("POST", "/v1/chat/completions", b'{"messages":[{"role":"user","content":"hi"}]}', {"temperature": 0.7}, False),
+    ("POST", "/v1/chat/completions", b'{"messages":[{"role":"user","content":"hi"}]}', {}, False),  # default 1.0
+    ("POST", "/v1/chat/completions", b'{"messages":[{"role":"user","content":"hi"}],"temperature":0.5}', {}, False),
+    ("POST", "/v1/chat/completions", b'not json', {}, False),
+    ("POST", "/v1/unknown", b'{}', {}, False),
+    ("DELETE", "/v1/models", b'', {}, False),
+])
+def test_replay_safe(method, path, body, defaults, safe) -> None:
+    assert replay_safe(method, path, body, defaults) is safe
+
+
+# ------------------------------------------------------------------ connection-ID routing
+
+@pytest.mark.parametrize("count", [2, 3])
+def test_the_cbpf_program_routes_each_packet_to_the_worker_its_connection_id_names(count: int) -> None:
+    socks = bind_udp("127.0.0.1", 0, count)
+    try:
+        attach_cid_routing(socks[0], count)
+        addr = socks[0].getsockname()
+        sent: list[tuple[int, bytes]] = []
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as client:
+            for index in range(count):
+                route = CidRoute(index, count)
+                for _ in range(5):
+                    cid = route.new_cid()
+                    assert route.owns(cid) and not CidRoute((index + 1) % count, count).owns(cid)
+                    short = bytes([0x40]) + cid + os.urandom(30)
+                    long = bytes([0xC0, 0, 0, 0, 1, 8]) + cid + os.urandom(30)
+                    for packet in (short, long):
+                        client.sendto(packet, addr)  # same source port throughout: the hash would pick one
+                        sent.append((index, packet))
+        got: dict[bytes, int] = {}
+        for index, s in enumerate(socks):
+            s.settimeout(1.0)
+        for _ in sent:
+            for index, s in enumerate(socks):
+                s.setblocking(False)
+                try:
+                    got[s.recv(2048)] = index
+                except BlockingIOError:
+                    pass
+            if len(got) == len(sent):
+                break
+            time.sleep(0.01)
+        assert {p: i for i, p in sent} == got
+    finally:
+        for s in socks:
+            s.close()
+
+
+# ------------------------------------------------------------------ admission control, in process
+
+def server(certs, **limits) -> ServerThread:
+    return ServerThread(FakeEngine(max_model_len=256), *certs, settings=ServerSettings(**limits))
+
+
+def test_per_address_cap_refuses_a_proven_client_over_it(certs) -> None:
+    with server(certs, quic_max_connections_per_address=2) as st:
+        events: list[str] = []
+        st.server.quic_event = events.append
+
+        async def go() -> None:
+            a, b = H3Client("127.0.0.1", st.port, ca_file=certs[0]), H3Client("127.0.0.1", st.port, ca_file=certs[0])
+            await a.connect()
+            await b.connect()
+            with pytest.raises(ConnectError, match="too many connections from this address"):
+                await H3Client("127.0.0.1", st.port, ca_file=certs[0]).connect()
+            await a.close()
+            assert wait_until(lambda: st.server._quic_server.connection_count == 1)
+            c = H3Client("127.0.0.1", st.port, ca_file=certs[0])
+            await c.connect()  # a slot is free again
+            await b.close()
+            await c.close()
+
+        run(go())
+        # The third client first got a Retry (its address held the cap), proved it, then was refused.
+        assert events.count("retry_sent") >= 1 and "refused_per_address" in events
+
+
+def test_total_cap_refuses_and_retry_always_still_connects(certs) -> None:
+    with server(certs, quic_max_connections=1, quic_retry_above_per_s=0) as st:
+        events: list[str] = []
+        st.server.quic_event = events.append
+
+        async def go() -> None:
+            async with H3Client("127.0.0.1", st.port, ca_file=certs[0]) as c:
+                assert (await c.request("GET", "/healthz")).status == 200
+                with pytest.raises(ConnectError, match="server busy"):
+                    await H3Client("127.0.0.1", st.port, ca_file=certs[0]).connect()
+
+        run(go())
+        assert events[:2] == ["retry_sent", "accepted_after_retry"] and "refused_total" in events
+
+
+def test_a_stalled_handshake_is_reaped_and_a_spoofed_flood_gets_retries(certs) -> None:
+    with server(certs, quic_handshake_timeout_s=0.3, quic_retry_above_unvalidated_per_address=4) as st:
+        events: list[str] = []
+        st.server.quic_event = events.append
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            for packet in initial_packets(10):
+                s.sendto(packet, ("127.0.0.1", st.port))  # never answers
+        assert wait_until(lambda: events.count("accepted") + events.count("retry_sent") == 10)
+        assert events.count("accepted") == 4  # then the address had 4 unproven handshakes in flight
+        assert wait_until(lambda: events.count("handshake_timeout") == 4, timeout=5)
+        assert wait_until(lambda: st.server._quic_server.connection_count == 0, timeout=5)
+
+
+# ------------------------------------------------------------------ config
+
+def test_quic_config_keys_and_their_validation() -> None:
+    c = parse_config({"server": {"zero_rtt": False, "quic": {"max_connections_per_address": 3,
+                                                              "retry_above_handshakes_per_s": 0}}}, "t.yaml")
+    assert c.server.zero_rtt is False and c.server.quic.max_connections_per_address == 3
+    assert c.server.quic.retry_above_handshakes_per_s == 0
+    with pytest.raises(ConfigError) as e:
+        parse_config({"server": {"zero_rtt": "maybe", "quic": {
+            "max_connections": 0, "max_connections_per_address": -1, "retry_above_handshakes_per_s": -1,
+            "retry_above_unvalidated_per_address": 0, "handshake_timeout_s": 0, "idle_timeout_s": 0,
+            "ticket_lifetime_s": 90000, "max_tickets": 0, "bogus": 1}}}, "t.yaml")
+    problems = "\n".join(e.value.messages())
+    for key in ("zero_rtt", "max_connections", "max_connections_per_address", "retry_above_handshakes_per_s",
+                "retry_above_unvalidated_per_address", "handshake_timeout_s", "idle_timeout_s",
+                "ticket_lifetime_s", "max_tickets", "bogus"):
+        assert f"server.{'' if key == 'zero_rtt' else 'quic.'}{key}:" in problems, key
