@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -182,6 +185,22 @@ def test_a_client_that_rebinds_its_udp_port_mid_stream_gets_the_rest_of_it(daemo
     assert metric_value(asyncio.run(scrape()), "edged_quic_migrations_total") >= 5
 
 
+def test_edged_chat_keeps_a_private_ticket_and_sends_its_next_run_in_0rtt(daemon: DaemonProcess, tmp_path: Path) -> None:
+    args = [sys.executable, "-m", "edged.cli", "chat", "Say hi.", "--port", str(daemon.port), "--ca-file",
+            daemon.ca_file, "--temperature", "0", "--max-tokens", "6"]
+    env = {**os.environ, "XDG_STATE_HOME": str(tmp_path)}
+    first = subprocess.run(args, env=env, capture_output=True, text=True, timeout=60)
+    assert first.returncode == 0, first.stderr
+    kept = tmp_path / "edged" / "quic-tickets" / f"127.0.0.1_{daemon.port}"
+    assert kept.stat().st_mode & 0o777 == 0o600
+    mark = len(daemon.lines)
+    second = subprocess.run(args, env=env, capture_output=True, text=True, timeout=60)
+    assert second.returncode == 0 and second.stdout == first.stdout, second.stderr
+    assert daemon.wait_for_log("early data request", 5, start=mark)
+    [line] = [x for x in daemon.lines[mark:] if "early data request" in x]
+    assert "replay_safe=True action=run" in line  # greedy: answered from the 0-RTT data
+
+
 def daemon_rss(d: DaemonProcess) -> int:
     root = psutil.Process(d.proc.pid)
     return sum(p.memory_info().rss for p in [root, *root.children(recursive=True)])
@@ -248,20 +267,27 @@ def test_a_handshake_flood_neither_slows_an_established_stream_nor_grows_memory(
 
 
 def test_a_restarted_daemon_with_the_same_state_dir_accepts_an_old_ticket(daemon: DaemonProcess, tickets: list) -> None:
+    """The ticket outlives the process (it is in the state dir) and its 0-RTT request is answered
+    even through a Retry (address validation, here always on; aioquic's client forgets its 0-RTT
+    packets on a Retry, ours resends them)."""
     ticket = tickets[-1]
     assert daemon.stop() == 0
-    again = start_daemon_ready(daemon.tmp, config(Path(re.search(r"path: (\S+)", daemon.config_path.read_text())[1])))
+    model = Path(re.search(r"path: (\S+)", daemon.config_path.read_text())[1])
+    again = start_daemon_ready(daemon.tmp, config(model).replace("  tcp: false\n", "  tcp: false\n  quic:\n    retry_above_handshakes_per_s: 0\n"))
     try:
         async def main() -> tuple[int, bool, bool]:
             c = H3Client(again.host, again.port, ca_file=again.ca_file, session_ticket=ticket)
             await c.connect(early_data=True)
             try:
-                r = await c.request("GET", "/v1/models")
+                r = await c.request("GET", "/v1/models", timeout=10)
                 return r.status, c.early_data_accepted, c.session_resumed
             finally:
                 await c.close()
 
         assert asyncio.run(asyncio.wait_for(main(), 30)) == (200, True, True)
+        assert again.wait_for_log("early data request", 5)
+        [line] = [x for x in again.lines if "early data request" in x]
+        assert "path=/v1/models replay_safe=True action=run" in line
         assert (again.state_dir / "quic_tickets.sqlite").stat().st_mode & 0o777 == 0o600
     finally:
         again.stop()

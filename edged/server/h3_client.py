@@ -34,7 +34,8 @@ from aioquic.h3.events import DataReceived, H3Event, HeadersReceived
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
 from aioquic.quic.events import ConnectionTerminated, HandshakeCompleted, QuicEvent, StreamReset
-from aioquic.tls import SessionTicket
+from aioquic.quic.packet_builder import QuicDeliveryState
+from aioquic.tls import Epoch, SessionTicket
 
 from edged.server.quic_tickets import ClientTicketFile, default_client_state_dir
 
@@ -163,6 +164,24 @@ class _ConnectedTransport:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._transport, name)
+
+
+class _ClientConnection(QuicConnection):
+    """aioquic's client connection, resending 0-RTT data after a Retry."""
+
+    def _receive_retry_packet(self, header: Any, packet_without_tag: bytes, now: float) -> None:
+        # aioquic answers a Retry with fresh packet spaces and forgets the 0-RTT packets it sent:
+        # their stream data would never be resent (a request sent in 0-RTT would hang). Declare
+        # them lost, as loss detection would have, so that it goes out again after the Retry.
+        retries, old_spaces = self._retry_count, list(self._spaces.values())
+        early = list(self._spaces[Epoch.ONE_RTT].sent_packets.values())
+        super()._receive_retry_packet(header=header, packet_without_tag=packet_without_tag, now=now)
+        if self._retry_count == retries:
+            return  # not a valid Retry: ignored
+        self._loss._cc.on_packets_expired(packets=[p for s in old_spaces for p in s.sent_packets.values() if p.in_flight])
+        for packet in early:
+            for handler, args in packet.delivery_handlers:
+                handler(QuicDeliveryState.LOST, *args)
 
 
 class _ClientProtocol(QuicConnectionProtocol):
@@ -322,7 +341,7 @@ class H3Client:
             raise ConnectError(f"cannot resolve {self.host}: {e}") from None
         family, _, _, _, addr = infos[0]
         self._family, self._addr = family, addr[:2]
-        quic = QuicConnection(configuration=config, session_ticket_handler=self._ticket_received)
+        quic = _ClientConnection(configuration=config, session_ticket_handler=self._ticket_received)
         self._transport, protocol = await loop.create_datagram_endpoint(
             lambda: _ClientProtocol(quic), family=family, remote_addr=addr[:2])
         self._protocol = protocol
