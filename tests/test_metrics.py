@@ -87,6 +87,7 @@ def test_without_sources_only_the_request_and_process_families_are_served() -> N
     text = EdgedMetrics().render().decode()
     assert families(text) == {"edged_requests", "edged_ttft_seconds", "edged_itl_seconds", "edged_request_seconds",
                               "edged_config_reloads", "edged_result_cache_lookups", "edged_worker_restarts",
+                              "edged_quic_connection_events", "edged_quic_migrations",
                               "edged_process_cpu_percent", "edged_process_rss_bytes"}
     m = EdgedMetrics()
     m.sources.engine = lambda: EngineSnapshot.of(fake_engine(), {})  # a CPU node: no GPU memory family at all
