@@ -208,3 +208,33 @@ def test_quic_config_keys_and_their_validation() -> None:
                 "retry_above_unvalidated_per_address", "handshake_timeout_s", "idle_timeout_s",
                 "ticket_lifetime_s", "max_tickets", "bogus"):
         assert f"server.{'' if key == 'zero_rtt' else 'quic.'}{key}:" in problems, key
+
+
+# ------------------------------------------------------------------ zero_rtt on and off, in process
+
+@pytest.mark.parametrize("zero_rtt", [True, False])
+def test_zero_rtt_setting_issues_and_accepts_tickets_or_neither(certs, tmp_path, zero_rtt: bool) -> None:
+    from edged.server.h3_server import serve
+    from edged.server.routes import Router
+
+    store = TicketStore(tmp_path / "quic_tickets.sqlite", 3600, 100)
+
+    async def go() -> None:
+        srv = await serve(Router(FakeEngine(max_model_len=256), ServerSettings(zero_rtt=zero_rtt)), "127.0.0.1", 0,
+                          *certs, tickets=store)
+        try:
+            async with H3Client("127.0.0.1", srv.port, ca_file=certs[0]) as c:
+                assert (await c.request("GET", "/healthz")).status == 200
+                issued = list(c.new_tickets)
+            assert bool(issued) is zero_rtt and (store.count() == 1) is zero_rtt
+            if zero_rtt:
+                c = H3Client("127.0.0.1", srv.port, ca_file=certs[0], session_ticket=issued[-1])
+                await c.connect(early_data=True)
+                assert (await c.request("GET", "/v1/models")).status == 200
+                assert c.early_data_accepted and c.session_resumed
+                await c.close()
+        finally:
+            srv.close()
+            await srv.wait_closed()
+
+    run(go())

@@ -588,6 +588,11 @@ class _ChatSession:
     def where(self) -> str:
         return f"{self.target}:{self.port}" if ":" not in self.target else f"[{self.target}]:{self.port}"
 
+    def _unreachable(self, e: ConnectError) -> tuple[int, str]:
+        print(f"edged chat: could not reach edged at {self.where} over HTTP/3 (QUIC/UDP): {e}\n"
+              f"  hint: is the daemon running and UDP port {self.port} open?", file=sys.stderr)
+        return _Turn.UNREACHABLE, ""
+
     async def turn(self) -> tuple[int, str]:
         """Send the whole history, stream the answer to stdout; (a _Turn value, the answer's text)."""
         t = self.tickets
@@ -603,9 +608,7 @@ class _ChatSession:
             print(f"edged chat: {e}\n  hint: {hint}", file=sys.stderr)
             return _Turn.UNREACHABLE, ""
         except ConnectError as e:
-            print(f"edged chat: could not reach edged at {self.where} over HTTP/3 (QUIC/UDP): {e}\n"
-                  f"  hint: is the daemon running and UDP port {self.port} open?", file=sys.stderr)
-            return _Turn.UNREACHABLE, ""
+            return self._unreachable(e)
         parts: list[str] = []
         try:
             async for text in chat_stream(client, self.messages, model=self.model, max_tokens=self.max_tokens,
@@ -617,10 +620,7 @@ class _ChatSession:
             sys.stdout.flush()
             return _Turn.OK, "".join(parts)
         except ConnectError as e:  # a 0-RTT attempt whose handshake failed
-            if parts:
-                sys.stdout.write("\n")
-            print(f"edged chat: could not reach edged at {self.where} over HTTP/3 (QUIC/UDP): {e}", file=sys.stderr)
-            return _Turn.UNREACHABLE, ""
+            return self._unreachable(e)
         except HTTPError as e:
             if parts:
                 sys.stdout.write("\n")

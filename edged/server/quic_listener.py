@@ -199,7 +199,9 @@ class EdgedQuicServer(QuicServer):
         connection = RoutedQuicConnection(
             route=self._route, configuration=self._configuration,
             original_destination_connection_id=original_dcid, retry_source_connection_id=retry_scid,
-            session_ticket_fetcher=self._session_ticket_fetcher, session_ticket_handler=self._session_ticket_handler)
+            # zero_rtt off: no ticket is issued (a client would hold a useless one) nor accepted
+            session_ticket_fetcher=self._session_ticket_fetcher if st.zero_rtt else None,
+            session_ticket_handler=self._session_ticket_handler if st.zero_rtt else None)
         protocol = self._create_protocol(connection, stream_handler=self._stream_handler)
         protocol.connection_made(self._transport)
         protocol._connection_id_issued_handler = partial(self._connection_id_issued, protocol=protocol)

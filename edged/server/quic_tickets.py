@@ -70,7 +70,9 @@ class TicketStore:
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)  # created private, before SQLite opens it
         os.close(fd)
         os.chmod(self.path, 0o600)
-        self._db = sqlite3.connect(self.path, timeout=1.0, isolation_level=None, check_same_thread=False)
+        # Called on the worker's event loop during handshakes: a write waits for another worker's
+        # (WAL: microseconds) at most this long, then the ticket is skipped rather than the loop stalled.
+        self._db = sqlite3.connect(self.path, timeout=0.25, isolation_level=None, check_same_thread=False)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.execute("CREATE TABLE IF NOT EXISTS tickets (id BLOB PRIMARY KEY, issued REAL NOT NULL, "
