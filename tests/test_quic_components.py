@@ -3,6 +3,7 @@
 (real QUIC over loopback, fake engine), and the config keys."""
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import os
 import socket
@@ -189,6 +190,19 @@ def test_a_stalled_handshake_is_reaped_and_a_spoofed_flood_gets_retries(certs) -
         assert events.count("accepted") == 4  # then the address had 4 unproven handshakes in flight
         assert wait_until(lambda: events.count("handshake_timeout") == 4, timeout=5)
         assert wait_until(lambda: st.server._quic_server.connection_count == 0, timeout=5)
+
+
+def test_an_idle_connection_is_reaped(certs) -> None:
+    with server(certs, idle_timeout_s=0.5) as st:
+        async def go() -> None:
+            c = H3Client("127.0.0.1", st.port, ca_file=certs[0])
+            await c.connect()
+            assert (await c.request("GET", "/healthz")).status == 200
+            assert st.server._quic_server.connection_count == 1
+            assert await asyncio.to_thread(wait_until, lambda: st.server._quic_server.connection_count == 0, 5.0)
+            await c.close()
+
+        run(go())
 
 
 # ------------------------------------------------------------------ config

@@ -327,6 +327,7 @@ class HttpServerProtocol(QuicConnectionProtocol):
         paths = self._quic._network_paths
         before = paths[0].addr if paths else None
         super().datagram_received(data, addr)
+        paths = self._quic._network_paths
         if before is not None and paths and paths[0].addr != before:  # aioquic promoted a new path
             self.server.quic_event("migrated")
             log.info("connection migrated %s", fields(cid=self._quic.host_cid.hex(), old=_addr(before),
