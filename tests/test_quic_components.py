@@ -12,23 +12,28 @@ import time
 
 import pytest
 from aioquic.tls import CipherSuite, SessionTicket
+from helpers.aio import run
+from helpers.fake_engine import FakeEngine, ServerThread, wait_until
+from helpers.quic_flood import initial_packets
 
 from edged.config import ConfigError, parse_config
 from edged.daemon import bind_udp
 from edged.server.h3_client import ConnectError, H3Client
 from edged.server.quic_early_data import replay_safe
 from edged.server.quic_routing import CidRoute, attach_cid_routing
-from edged.server.quic_tickets import ClientTicketFile, TicketStore, decode_ticket, encode_ticket
+from edged.server.quic_tickets import (
+    ClientTicketFile,
+    TicketStore,
+    decode_ticket,
+    encode_ticket,
+)
 from edged.server.settings import ServerSettings
-from helpers.aio import run
-from helpers.fake_engine import FakeEngine, ServerThread, wait_until
-from helpers.quic_flood import initial_packets
 
 pytestmark = pytest.mark.timeout(60)
 
 
 def ticket(ticket_id: bytes = b"t" * 64, valid_s: float = 3600) -> SessionTicket:
-    now = dt.datetime.now(dt.timezone.utc)
+    now = dt.datetime.now(dt.UTC)
     return SessionTicket(age_add=7, cipher_suite=CipherSuite.AES_128_GCM_SHA256, not_valid_after=now + dt.timedelta(seconds=valid_s),
                          not_valid_before=now, resumption_secret=b"s" * 32, server_name="localhost", ticket=ticket_id,
                          max_early_data_size=0xFFFFFFFF, other_extensions=[(0x39, b"params")])
@@ -58,7 +63,7 @@ def test_the_server_store_is_shared_private_single_use_and_bounded(tmp_path) -> 
     assert w0.take((0).to_bytes(64, "big")) is None  # oldest dropped
     short = TicketStore(path, lifetime_s=1, max_tickets=32)
     short.add(ticket(b"b" * 64))
-    assert short.take(b"b" * 64).not_valid_after <= dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=1)
+    assert short.take(b"b" * 64).not_valid_after <= dt.datetime.now(dt.UTC) + dt.timedelta(seconds=1)
     w0._db.execute("INSERT INTO tickets VALUES (?, ?, ?)", (b"c" * 64, time.time() - 7200, encode_ticket(ticket())))
     assert w1.take(b"c" * 64) is None  # older than the lifetime
     for s in (w0, w1, short):

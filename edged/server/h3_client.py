@@ -33,7 +33,12 @@ from aioquic.h3.connection import H3_ALPN, ErrorCode, H3Connection
 from aioquic.h3.events import DataReceived, H3Event, HeadersReceived
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
-from aioquic.quic.events import ConnectionTerminated, HandshakeCompleted, QuicEvent, StreamReset
+from aioquic.quic.events import (
+    ConnectionTerminated,
+    HandshakeCompleted,
+    QuicEvent,
+    StreamReset,
+)
 from aioquic.quic.packet_builder import QuicDeliveryState
 from aioquic.tls import Epoch, SessionTicket
 

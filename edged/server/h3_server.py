@@ -489,7 +489,7 @@ async def serve(
     sock: socket.socket | None = None,
     tcp: bool = False,
     tcp_sock: socket.socket | None = None,
-    route: CidRoute = CidRoute(),
+    route: CidRoute | None = None,
     tickets: TicketStore | None = None,
 ) -> EdgedServer:
     """Listen for HTTP/3 on UDP host:port (IPv4 or IPv6; port 0 picks a free one), or on `sock`, a
@@ -516,7 +516,7 @@ async def serve(
     where: dict[str, Any] = {"sock": sock} if sock is not None else {"local_addr": (host, port)}
     _, server._quic_server = await loop.create_datagram_endpoint(
         lambda: EdgedQuicServer(configuration=config, create_protocol=server._create_protocol,
-                                settings=lambda: server.settings, route=route, tickets=tickets,
+                                settings=lambda: server.settings, route=route or CidRoute(), tickets=tickets,
                                 on_event=lambda name: server.quic_event(name)), **where)
     h, p = server.address
     log.info("listening %s", fields(proto="h3", host=h, port=p))

@@ -47,8 +47,8 @@ from aioquic.quic.retry import QuicRetryTokenHandler
 
 from edged.log import fields
 from edged.server.quic_routing import CidRoute, RoutedQuicConnection
-from edged.server.settings import ServerSettings
 from edged.server.quic_tickets import TicketStore
+from edged.server.settings import ServerSettings
 
 log = logging.getLogger("edged.server")
 
@@ -220,7 +220,6 @@ class EdgedQuicServer(QuicServer):
         self._on_event(event)
         log.debug("quic connection refused %s", fields(peer=addr[0], reason=event))
         self._transport.sendto(encode_refusal(header.version, header.destination_cid, header.source_cid, reason), addr)
-        return None
 
     def _connection_terminated(self, protocol: QuicConnectionProtocol) -> None:
         super()._connection_terminated(protocol)

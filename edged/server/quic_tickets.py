@@ -49,7 +49,7 @@ def decode_ticket(data: bytes) -> SessionTicket | None:
     """The ticket, or None when the bytes are not one (a corrupt or foreign row)."""
     try:
         (age_add, suite, after, before, secret, server_name, ticket, max_early, exts) = msgpack.unpackb(data, raw=False)
-        utc = dt.timezone.utc
+        utc = dt.UTC
         return SessionTicket(
             age_add=int(age_add), cipher_suite=CipherSuite(suite),
             not_valid_after=dt.datetime.fromtimestamp(after, utc), not_valid_before=dt.datetime.fromtimestamp(before, utc),
@@ -90,7 +90,7 @@ class TicketStore:
         now = time.time()
         # aioquic fixes the lifetime it announces at 24 h; ours may be shorter.
         ticket.not_valid_after = min(ticket.not_valid_after,
-                                     dt.datetime.fromtimestamp(now + self.lifetime_s, dt.timezone.utc))
+                                     dt.datetime.fromtimestamp(now + self.lifetime_s, dt.UTC))
         try:
             with self._lock:
                 self._db.execute("INSERT OR REPLACE INTO tickets VALUES (?, ?, ?)",
