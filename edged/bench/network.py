@@ -34,7 +34,7 @@ from typing import Any
 
 TIER = "bench"
 SERVER_PORT = 4433  # inside the daemon's own namespace: always free
-QUIC_CCS = ("reno", "cubic")
+QUIC_CCS = ("reno", "cubic", "reno-floor")  # aioquic's two, and lab_daemon.py's variant
 
 
 @dataclass(slots=True)
@@ -49,6 +49,12 @@ class NetworkConfig:
     quic_initial_rtt_ms: float | None = None
     step_ms: float = 20.0
     tcp_cc: str | None = None  # None: the namespace's default (the host's)
+    warm_up: bool = True
+
+    @property
+    def stall_ms(self) -> float:
+        """A gap counts as a stall above this: four steps (a lost packet costs at least a round trip)."""
+        return 4 * self.step_ms if self.step_ms > 0 else 80.0
     model: str | None = None
     ready_timeout_s: float = 300.0
 
@@ -66,7 +72,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reps", type=int, help="runs per case; the statistics pool every stream of every run (default: 3)")
     p.add_argument("--quic-cc", default="reno",
                    help="the daemon's QUIC congestion control, comma-separated to compare: reno, cubic (aioquic's "
-                        "two); the HTTP/3 cases run once per value, the daemon restarted for each "
+                        "two), reno-floor (New Reno whose window never drops below the initial 10 datagrams: a "
+                        "lab variant); the HTTP/3 cases run once per value, the daemon restarted for each "
                         "(default: %(default)s, aioquic's default)")
     p.add_argument("--tcp-cc", metavar="NAME",
                    help="the kernel's TCP congestion control in both namespaces, for HTTP/2: one of "
@@ -85,7 +92,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                    "the tiny random-weight model")
     p.add_argument("--quick", action="store_true",
                    help="a smoke run for tests: --loss 5 --delay 0 --streams 4 --tokens 32 --reps 1 "
-                        "--returning-reps 1 (flags given explicitly still win)")
+                        "--returning-reps 1 and no warm-up run (flags given explicitly still win)")
     p.add_argument("--ready-timeout", type=float, default=300.0,
                    help="seconds to wait for the daemon's \"ready\" log line (default: %(default)s)")
     p.add_argument("--json", metavar="FILE", help="write the summaries, acceptance checks and every run as JSON")
@@ -117,7 +124,7 @@ def config_from_args(args: argparse.Namespace) -> NetworkConfig:
                         streams=args.streams, max_tokens=args.tokens, reps=args.reps,
                         quic_ccs=[c.strip() for c in args.quic_cc.split(",") if c.strip()],
                         returning_reps=args.returning_reps, quic_initial_rtt_ms=args.quic_initial_rtt, step_ms=args.step_ms,
-                        tcp_cc=args.tcp_cc,
+                        tcp_cc=args.tcp_cc, warm_up=not args.quick,
                         model=args.model, ready_timeout_s=args.ready_timeout)
     if any(not 0 <= v < 100 for v in cfg.losses):
         raise ValueError(f"--loss: percentages from 0 to 99, got {args.loss}")
@@ -280,10 +287,11 @@ def run_network(cfg: NetworkConfig, workdir: Path) -> dict[str, Any]:
                     _say(f"edged ready in its namespace at {SERVER_ADDR}:{SERVER_PORT} in "
                          f"{time.perf_counter() - t:.1f} s (QUIC congestion control: {cc})")
                     protos = [("h3", f"h3/{cc}")] + ([("h2", f"h2/{tcp_cc}")] if k == 0 else [])
-                    t = time.perf_counter()
-                    for proto, _ in protos:  # not counted: the first batch of a fresh daemon is slow
-                        client.call({"op": "streams", "proto": proto, "streams": cfg.streams, "max_tokens": 16})
-                    _say(f"warm-up runs took {time.perf_counter() - t:.1f} s")
+                    if cfg.warm_up:  # not counted: the first batch of a fresh daemon is slow
+                        t = time.perf_counter()
+                        for proto, _ in protos:
+                            client.call({"op": "streams", "proto": proto, "streams": cfg.streams, "max_tokens": 16})
+                        _say(f"warm-up runs took {time.perf_counter() - t:.1f} s")
                     for delay in cfg.delays_ms:
                         lab.set_delay(delay)
                         for loss in cfg.losses:
@@ -296,7 +304,7 @@ def run_network(cfg: NetworkConfig, workdir: Path) -> dict[str, Any]:
                                     runs.append(res)
                                     raw.append({"proto": label, "loss_pct": loss, "delay_ms": delay, "rep": rep,
                                                 **res})
-                                case = summarize_case(label, loss, delay, runs, lab.counters())
+                                case = summarize_case(label, loss, delay, runs, lab.counters(), cfg.stall_ms / 1000)
                                 cases.append(case)
                                 loads.append(load_average())
                                 _say(f"{label} loss {loss}% +{delay:g} ms: gap p99 {case.gap_p99_ms} ms, "
@@ -326,7 +334,7 @@ def run_network(cfg: NetworkConfig, workdir: Path) -> dict[str, Any]:
         lab.close()
     checks = acceptance(cases, returning)
     meta = {"losses_pct": cfg.losses, "delays_ms": cfg.delays_ms, "streams": cfg.streams, "tokens": cfg.max_tokens,
-            "reps": cfg.reps, "step_ms": cfg.step_ms, "quic_ccs": cfg.quic_ccs, "quic_initial_rtt_ms": cfg.quic_initial_rtt_ms,
+            "reps": cfg.reps, "step_ms": cfg.step_ms, "stall_ms": cfg.stall_ms, "quic_ccs": cfg.quic_ccs, "quic_initial_rtt_ms": cfg.quic_initial_rtt_ms,
             "model": cfg.model or "tiny random-weight (default tokenizer)", "cpus": os.cpu_count(),
             "load_average_1m": loads, "duration_s": round(time.perf_counter() - started, 1),
             "tcp_congestion_control": tcp_cc}
@@ -364,7 +372,7 @@ def run_network_bench(args: argparse.Namespace) -> int:
         return 130
     finally:
         signal.signal(signal.SIGTERM, previous)
-    print(format_table(out["cases"], out["returning"], out["checks"]), flush=True)
+    print(format_table(out["cases"], out["returning"], out["checks"], cfg.streams, cfg.stall_ms), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(out["report"], indent=2) + "\n")
         print(f"wrote {args.json}")

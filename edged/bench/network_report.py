@@ -12,6 +12,7 @@ from edged.bench.report import percentile
 GAP_RATIO_TARGET = 0.5  # issue 17: HTTP/3 inter-token gap p99 <= 0.5x HTTP/2's at 3% loss
 ZERO_RTT_SAVING_TARGET_MS = 50.0  # issue 17: 0-RTT TTFT at least one round trip below a full handshake at 25 ms
 ACCEPTANCE_LOSS_PCT = 3
+STALL_GROUP_S = 0.015  # stalls of different streams that end this close together are one stall event
 
 
 def _ms(v: float | None) -> float | None:
@@ -32,19 +33,42 @@ class CaseSummary:
     gap_p99_ms: float | None
     gap_max_ms: float | None  # the longest stall of any stream
     slowest_stream_stall_ms: float | None  # the longest stall of each run's slowest stream, max over runs
+    stalled_pct: float | None  # gaps longer than stall_ms, in % of all gaps
+    streams_per_stall: float | None  # mean streams that stall together (ends within STALL_GROUP_S): 1 with
+    # no head-of-line blocking at all, every stream when each loss blocks the whole connection
     total_s: float | None  # median over repetitions: all streams done, connection set-up excluded
     connect_ms: float | None  # median: handshake + GET /healthz
     packets_dropped: int
     packets_on_wire: int
 
 
+def stall_events(streams: list[dict[str, Any]], stall_s: float) -> list[int]:
+    """How many streams each stall event of one run held up: gaps longer than stall_s, grouped by the
+    time they ended (from the request's start)."""
+    ends: list[tuple[float, int]] = []
+    for i, s in enumerate(streams):
+        t = s["ttft_s"]
+        for g in s["gaps_s"]:
+            t += g
+            if g > stall_s:
+                ends.append((t, i))
+    events: list[tuple[float, set[int]]] = []
+    for t, i in sorted(ends):
+        if events and t - events[-1][0] < STALL_GROUP_S:
+            events[-1][1].add(i)
+        else:
+            events.append((t, {i}))
+    return [len(held) for _, held in events]
+
+
 def summarize_case(proto: str, loss_pct: int, delay_ms: float, runs: list[dict[str, Any]],
-                   counters: dict[str, int]) -> CaseSummary:
+                   counters: dict[str, int], stall_s: float) -> CaseSummary:
     ttfts: list[float] = []
     gaps: list[float] = []
     slowest_stalls: list[float] = []
     totals: list[float] = []
     connects: list[float] = []
+    held: list[int] = []
     done = errors = 0
     for run in runs:
         if run.get("error"):
@@ -58,6 +82,7 @@ def summarize_case(proto: str, loss_pct: int, delay_ms: float, runs: list[dict[s
         for s in ok:
             ttfts.append(s["ttft_s"])
             gaps.extend(s["gaps_s"])
+        held.extend(stall_events(ok, stall_s))
         if ok:
             slowest = max(ok, key=lambda s: s["ttft_s"] + sum(s["gaps_s"]))
             slowest_stalls.append(max(slowest["gaps_s"], default=0.0))
@@ -66,6 +91,8 @@ def summarize_case(proto: str, loss_pct: int, delay_ms: float, runs: list[dict[s
         ttft_p50_ms=_ms(percentile(ttfts, 50)), ttft_p99_ms=_ms(percentile(ttfts, 99)),
         gap_p50_ms=_ms(percentile(gaps, 50)), gap_p99_ms=_ms(percentile(gaps, 99)),
         gap_max_ms=_ms(max(gaps, default=None)), slowest_stream_stall_ms=_ms(max(slowest_stalls, default=None)),
+        stalled_pct=round(100.0 * sum(g > stall_s for g in gaps) / len(gaps), 2) if gaps else None,
+        streams_per_stall=round(statistics.mean(held), 1) if held else None,
         total_s=round(statistics.median(totals), 3) if totals else None,
         connect_ms=_ms(statistics.median(connects) if connects else None),
         packets_dropped=counters.get("dropped", 0), packets_on_wire=counters.get("wire_packets", 0))
@@ -130,15 +157,19 @@ def _f(v: Any, width: int) -> str:
     return f"{'-' if v is None else v:>{width}}"
 
 
-def format_table(cases: list[CaseSummary], returning: list[ReturningSummary], checks: list[dict[str, Any]]) -> str:
-    head = (f"{'protocol':<9} {'loss%':>5} {'+delay':>6} {'ok':>5} {'err':>3} {'ttft p50':>8} {'ttft p99':>8} "
-            f"{'gap p50':>7} {'gap p99':>7} {'gap max':>7} {'h2-slow':>7} {'total s':>7} {'conn ms':>7} {'drops':>6}")
-    lines = ["8 streams on one connection (times in ms unless marked; h2-slow: the longest stall of each run's "
-             "slowest stream)", head, "-" * len(head)]
+def format_table(cases: list[CaseSummary], returning: list[ReturningSummary], checks: list[dict[str, Any]],
+                 streams: int, stall_ms: float) -> str:
+    head = (f"{'protocol':<13} {'loss%':>5} {'+delay':>6} {'ok':>5} {'err':>3} {'ttft p50':>8} {'ttft p99':>8} "
+            f"{'gap p50':>7} {'gap p99':>7} {'gap max':>7} {'slowest':>7} {'stall%':>6} {'str/st':>6} {'total s':>7} "
+            f"{'conn ms':>7} {'drops':>6}")
+    lines = [f"{streams} streams on one connection, times in ms unless marked. slowest: the longest stall of each "
+             f"run's slowest stream; stall%: gaps over {stall_ms:g} ms; str/st: streams held up per stall",
+             head, "-" * len(head)]
     for c in cases:
-        lines.append(f"{c.proto:<9} {c.loss_pct:>5} {c.delay_ms:>6g} {c.streams:>5} {c.errors:>3} "
+        lines.append(f"{c.proto:<13} {c.loss_pct:>5} {c.delay_ms:>6g} {c.streams:>5} {c.errors:>3} "
                      f"{_f(c.ttft_p50_ms, 8)} {_f(c.ttft_p99_ms, 8)} {_f(c.gap_p50_ms, 7)} {_f(c.gap_p99_ms, 7)} "
-                     f"{_f(c.gap_max_ms, 7)} {_f(c.slowest_stream_stall_ms, 7)} {_f(c.total_s, 7)} "
+                     f"{_f(c.gap_max_ms, 7)} {_f(c.slowest_stream_stall_ms, 7)} {_f(c.stalled_pct, 6)} "
+                     f"{_f(c.streams_per_stall, 6)} {_f(c.total_s, 7)} "
                      f"{_f(c.connect_ms, 7)} {c.packets_dropped:>6}")
     if returning:
         lines += ["", "returning client: a new connection, one request, TTFT from before the handshake (median)",
@@ -172,7 +203,8 @@ def write_plot(cases: list[CaseSummary], path: Path) -> str | None:
         style = "-" if proto.startswith("h3") else "--"
         label = f"{proto} +{delay:g} ms"
         for ax, attr in zip(axes, ("gap_p99_ms", "gap_max_ms", "ttft_p99_ms")):
-            ax.plot([c.loss_pct for c in pts], [getattr(c, attr) for c in pts], style, marker="o", label=label)
+            ys = [float("nan") if getattr(c, attr) is None else getattr(c, attr) for c in pts]
+            ax.plot([c.loss_pct for c in pts], ys, style, marker="o", label=label)
     for ax, title in zip(axes, ("inter-token gap p99 (ms)", "longest stall (ms)", "TTFT p99 (ms)")):
         ax.set_title(title)
         ax.set_xlabel("packet loss each way (%)")
