@@ -122,7 +122,7 @@ def test_a_non_replayable_request_in_0rtt_waits_for_the_handshake_while_a_greedy
             gate = DatagramGate(c)
             body = await asyncio.wait_for(greedy.read(), 20)  # answered before the handshake completed
             assert greedy.status == 200 and answer(body)
-            assert not c._protocol.handshake_done or gate.held, "the client's Finished must still be held"
+            assert gate.held, "the client's Finished is still held"
             # The 1-token sampled request would have finished long before the 24-token one had it run.
             assert sampled.status == 0
             assert not any("request done" in x for x in lines_for(daemon, "zero-rtt-sampled"))
@@ -270,7 +270,7 @@ def test_a_restarted_daemon_with_the_same_state_dir_accepts_an_old_ticket(daemon
     """The ticket outlives the process (it is in the state dir) and its 0-RTT request is answered
     even through a Retry (address validation, here always on; aioquic's client forgets its 0-RTT
     packets on a Retry, ours resends them)."""
-    ticket = tickets[-1]
+    ticket = tickets[-1] if tickets else asyncio.run(full_handshake_ticket(daemon))  # -k runs it alone
     assert daemon.stop() == 0
     model = Path(re.search(r"path: (\S+)", daemon.config_path.read_text())[1])
     again = start_daemon_ready(daemon.tmp, config(model).replace("  tcp: false\n", "  tcp: false\n  quic:\n    retry_above_handshakes_per_s: 0\n"))
