@@ -22,7 +22,7 @@ import psutil
 import pytest
 from helpers.daemon import DaemonProcess, start_daemon
 from helpers.metrics import metric_value
-from helpers.quic_flood import Flood, initial_packets
+from helpers.quic_flood import Flood
 from helpers.quic_gate import DatagramGate
 
 from edged.server.h3_client import H3Client, iter_sse
@@ -223,9 +223,8 @@ async def token_gaps(c: H3Client, body: bytes, until: asyncio.Event) -> list[tup
 
 
 def test_a_handshake_flood_neither_slows_an_established_stream_nor_grows_memory(daemon: DaemonProcess) -> None:
-    packets = initial_packets(2000)
     body = chat("Tell me a long story.", 200, stream=True, temperature=0)
-    flood = Flood((daemon.host, daemon.port), packets, seconds=1.5)
+    flood = Flood((daemon.host, daemon.port), 2000, seconds=1.5)
     marks: dict[str, float] = {}
 
     async def main() -> list[tuple[float, float]]:
@@ -236,20 +235,21 @@ def test_a_handshake_flood_neither_slows_an_established_stream_nor_grows_memory(
             marks["rss"] = daemon_rss(daemon)
             marks["flood"] = time.perf_counter()
             flood.start()
-            await asyncio.to_thread(flood.join, 30)
+            marks["sent"] = await asyncio.to_thread(flood.wait, 30)
             marks["end"] = time.perf_counter()
+            await asyncio.sleep(1.0)  # quiet again: the baseline is before and after the flood
             stop.set()
             return await task
 
     gaps = asyncio.run(asyncio.wait_for(main(), 90))
     rss_after = daemon_rss(daemon)
-    assert flood.sent == 2000 and marks["end"] - marks["flood"] < 10
-    before = [g for g, t in gaps if t < marks["flood"]]
+    assert marks["sent"] == 2000 and marks["end"] - marks["flood"] < 10
+    before = [g for g, t in gaps if not marks["flood"] <= t <= marks["end"]]
     during = [g for g, t in gaps if marks["flood"] <= t <= marks["end"]]
     assert len(before) >= 100 and len(during) >= 100, (len(before), len(during))
     ratio = statistics.median(during) / statistics.median(before)
-    print(f"\nflood of {flood.sent} handshakes in {marks['end'] - marks['flood']:.2f} s: ITL p50 "
-          f"{statistics.median(before) * 1e3:.2f} ms before, {statistics.median(during) * 1e3:.2f} ms during "
+    print(f"\nflood of {marks['sent']:.0f} handshakes in {marks['end'] - marks['flood']:.2f} s: ITL p50 "
+          f"{statistics.median(before) * 1e3:.2f} ms around it, {statistics.median(during) * 1e3:.2f} ms during "
           f"(x{ratio:.2f}); daemon RSS {marks['rss'] / 2**20:.0f} -> {rss_after / 2**20:.0f} MiB")
     assert ratio <= 2.0
     assert rss_after - marks["rss"] < 64 << 20
@@ -273,7 +273,9 @@ def test_a_restarted_daemon_with_the_same_state_dir_accepts_an_old_ticket(daemon
     ticket = tickets[-1] if tickets else asyncio.run(full_handshake_ticket(daemon))  # -k runs it alone
     assert daemon.stop() == 0
     model = Path(re.search(r"path: (\S+)", daemon.config_path.read_text())[1])
-    again = start_daemon_ready(daemon.tmp, config(model).replace("  tcp: false\n", "  tcp: false\n  quic:\n    retry_above_handshakes_per_s: 0\n"))
+    # One worker starts sooner; the ticket is in the state dir, whichever worker issued it.
+    again = start_daemon_ready(daemon.tmp, config(model).replace("workers: 2", "workers: 1").replace(
+        "  tcp: false\n", "  tcp: false\n  quic:\n    retry_above_handshakes_per_s: 0\n"))
     try:
         async def main() -> tuple[int, bool, bool]:
             c = H3Client(again.host, again.port, ca_file=again.ca_file, session_ticket=ticket)

@@ -3,14 +3,17 @@
 Making each with an aioquic client costs ~2 ms (key shares), so one real ClientHello Initial is
 made once and re-encrypted under a fresh Destination Connection ID per packet (the Initial keys
 derive from it): to the server, each is a new connection attempt. The sender never answers
-(nothing comes back from it but Retry/close packets, which it ignores).
+(nothing comes back from it but Retry/close packets, which it ignores). `Flood` runs it in a
+process of its own.
 """
 from __future__ import annotations
 
 import os
 import socket
-import threading
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 from aioquic.buffer import Buffer
 from aioquic.h3.connection import H3_ALPN
@@ -50,24 +53,44 @@ def initial_packets(count: int, server_name: str = "localhost") -> list[bytes]:
     return packets
 
 
-class Flood(threading.Thread):
-    """Sends `packets` to `addr` from one UDP socket, evenly over `seconds`."""
+def send_evenly(addr: tuple[str, int], packets: list[bytes], seconds: float) -> int:
+    """Send `packets` to `addr` from one UDP socket, spread evenly over `seconds`; the count sent."""
+    sent = 0
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        start = time.monotonic()
+        batch = max(1, len(packets) // max(1, int(seconds * 200)))  # ~200 bursts a second
+        for i in range(0, len(packets), batch):
+            for p in packets[i:i + batch]:
+                s.sendto(p, addr)
+                sent += 1
+            due = start + seconds * (i + batch) / len(packets)
+            if (pause := due - time.monotonic()) > 0:
+                time.sleep(pause)
+    return sent
 
-    def __init__(self, addr: tuple[str, int], packets: list[bytes], seconds: float) -> None:
-        super().__init__(name="quic-flood", daemon=True)
-        self.addr = addr
-        self.packets = packets
-        self.seconds = seconds
-        self.sent = 0
 
-    def run(self) -> None:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            start = time.monotonic()
-            batch = max(1, len(self.packets) // max(1, int(self.seconds * 200)))  # ~200 sends of a batch per s
-            for i in range(0, len(self.packets), batch):
-                for p in self.packets[i:i + batch]:
-                    s.sendto(p, self.addr)
-                    self.sent += 1
-                due = start + self.seconds * (i + batch) / len(self.packets)
-                if (pause := due - time.monotonic()) > 0:
-                    time.sleep(pause)
+class Flood:
+    """The flood in its own process (a thread would take the GIL from the client that measures):
+    `start()` once the packets are made, `wait()` -> packets sent."""
+
+    def __init__(self, addr: tuple[str, int], count: int, seconds: float) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "helpers.quic_flood", addr[0], str(addr[1]), str(count),
+                                      str(seconds)], cwd=Path(__file__).resolve().parents[1],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout.readline().strip() == "ready"
+
+    def start(self) -> None:
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+
+    def wait(self, timeout: float = 30.0) -> int:
+        out, _ = self.proc.communicate(timeout=timeout)
+        return int(out.split()[-1])
+
+
+if __name__ == "__main__":
+    host, port, count, seconds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+    made = initial_packets(count)
+    print("ready", flush=True)
+    sys.stdin.readline()
+    print("sent", send_evenly((host, port), made, seconds), flush=True)
