@@ -7,7 +7,7 @@ import os
 # machine (edged's CLI sets the same default for the processes it runs).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from collections.abc import Callable  # noqa: E402
+from collections.abc import Callable, Iterator  # noqa: E402
 from pathlib import Path
 
 import pytest
@@ -50,3 +50,17 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
     from edged.server.tls import ensure_cert
 
     return ensure_cert(tmp_path_factory.mktemp("state"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def user_state_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """`edged chat` keeps QUIC session tickets under $XDG_STATE_HOME: the tests' go to a temporary one,
+    never to the home of whoever runs them (set in os.environ, so client subprocesses inherit it)."""
+    path = tmp_path_factory.mktemp("xdg-state")
+    old = os.environ.get("XDG_STATE_HOME")
+    os.environ["XDG_STATE_HOME"] = str(path)
+    yield path
+    if old is None:
+        os.environ.pop("XDG_STATE_HOME", None)
+    else:
+        os.environ["XDG_STATE_HOME"] = old

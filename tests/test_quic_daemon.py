@@ -37,7 +37,7 @@ def config(model: Path) -> str:
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory, tiny_hf_dir) -> Iterator[DaemonProcess]:
     tmp = tmp_path_factory.mktemp("quic")
-    d = start_daemon_ready(tmp, config(tiny_hf_dir("llama")))
+    d = start_daemon(tmp, config(tiny_hf_dir("llama")))
     d.tmp = tmp  # the restart test starts its successor on the same state dir
     yield d
     d.stop()
@@ -47,16 +47,6 @@ def daemon(tmp_path_factory: pytest.TempPathFactory, tiny_hf_dir) -> Iterator[Da
 def tickets() -> list:
     """Session tickets received by the tests, newest last (the restart test reuses one)."""
     return []
-
-
-def start_daemon_ready(tmp: Path, text: str) -> DaemonProcess:
-    """start_daemon returns at the first "ready" line (a worker's); wait for the supervisor's, which
-    comes once both workers serve (a client whose connection ID picks a starting worker would wait)."""
-    d = start_daemon(tmp, text)
-    if not d.wait_for_log("edged.daemon: ready ", 120):
-        d.stop()
-        raise RuntimeError("edged did not become ready:\n" + d.log_text()[-4000:])
-    return d
 
 
 def chat(content: str, max_tokens: int, *, stream: bool = False, **extra) -> bytes:
@@ -274,7 +264,7 @@ def test_a_restarted_daemon_with_the_same_state_dir_accepts_an_old_ticket(daemon
     assert daemon.stop() == 0
     model = Path(re.search(r"path: (\S+)", daemon.config_path.read_text())[1])
     # One worker starts sooner; the ticket is in the state dir, whichever worker issued it.
-    again = start_daemon_ready(daemon.tmp, config(model).replace("workers: 2", "workers: 1").replace(
+    again = start_daemon(daemon.tmp, config(model).replace("workers: 2", "workers: 1").replace(
         "  tcp: false\n", "  tcp: false\n  quic:\n    retry_above_handshakes_per_s: 0\n"))
     try:
         async def main() -> tuple[int, bool, bool]:

@@ -11,7 +11,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-READY = "ready "  # what the daemon logs once the model is loaded, warmed up and listening
+READY = "edged.daemon: ready "  # the supervisor's line once the model is warmed up and every worker serves
 LOG_LINES = 200  # kept for the error message when the daemon fails
 
 

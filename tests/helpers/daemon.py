@@ -54,6 +54,10 @@ class DaemonProcess:
             return self.proc.wait()
 
 
+# The supervisor's line, once every worker serves ("engine core ready" and "worker ready" come before it).
+SUPERVISOR_READY = "edged.daemon: ready "
+
+
 def start_daemon(tmp: Path, config_text: str | None = None, extra_args: list[str] | None = None,
                  env: dict[str, str] | None = None, ready_timeout: float = 240.0) -> DaemonProcess:
     port = free_udp_port()
@@ -75,7 +79,7 @@ def start_daemon(tmp: Path, config_text: str | None = None, extra_args: list[str
             d.lines.append(line)
 
     threading.Thread(target=pump, daemon=True).start()
-    if not d.wait_for_log("ready ", ready_timeout):
+    if not d.wait_for_log(SUPERVISOR_READY, ready_timeout):
         d.stop(signal.SIGKILL)
         raise RuntimeError("edged did not become ready:\n" + d.log_text()[-4000:])
     return d
