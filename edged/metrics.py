@@ -208,7 +208,8 @@ class EdgedMetrics:
         self.registry = CollectorRegistry()
         self.sources = MetricSources()
         r = self.registry
-        self.requests = Counter("edged_requests", "requests by tier and outcome", ["tier", "outcome"], registry=r)
+        self.requests = Counter("edged_requests", "requests by tier, outcome and protocol (h1, h2, h3)",
+                                ["tier", "outcome", "protocol"], registry=r)
         self.ttft = Histogram("edged_ttft_seconds", "time to first token", ["tier"], buckets=LATENCY_BUCKETS,
                               registry=r)
         self.itl = Histogram("edged_itl_seconds", "inter-token latency", ["tier"], buckets=ITL_BUCKETS, registry=r)
@@ -230,7 +231,7 @@ class EdgedMetrics:
     def observe_request(self, rec: Any) -> None:
         """A finished or refused request (routes.RequestRecord)."""
         tier = rec.tier or "none"
-        self.requests.labels(tier, rec.outcome).inc()
+        self.requests.labels(tier, rec.outcome, rec.protocol).inc()
         if rec.ttft_s is not None:
             self.ttft.labels(tier).observe(rec.ttft_s)
             if rec.completion_tokens > 1:

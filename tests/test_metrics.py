@@ -119,9 +119,11 @@ def test_request_records_fill_the_per_tier_counters_and_histograms() -> None:
                              completion_tokens=11, ttft_s=0.2, duration_s=1.2))
     d.metrics.observe_request(RequestRecord("b", "/v1/chat/completions", 200, "stop", "gold", completion_tokens=1, ttft_s=0.03,
                              duration_s=0.03))
-    d.metrics.observe_request(RequestRecord("c", "/v1/chat/completions", 429, "rejected", "bronze", code="tier_queue_full"))
+    d.metrics.observe_request(RequestRecord("c", "/v1/chat/completions", 429, "rejected", "bronze", code="tier_queue_full",
+                                            protocol="h2"))
     text = d.metrics.render().decode()
-    assert metric_value(text, "edged_requests_total", {"tier": "gold", "outcome": "length"}) == 1
+    assert metric_value(text, "edged_requests_total", {"tier": "gold", "outcome": "length", "protocol": "h3"}) == 1
+    assert metric_value(text, "edged_requests_total", {"tier": "bronze", "protocol": "h2"}) == 1
     assert metric_value(text, "edged_requests_total", {"tier": "gold", "outcome": "stop"}) == 1
     assert metric_value(text, "edged_requests_total", {"tier": "bronze", "outcome": "rejected"}) == 1
     assert metric_value(text, "edged_ttft_seconds_count", {"tier": "gold"}) == 2

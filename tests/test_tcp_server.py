@@ -385,6 +385,10 @@ def test_observer_records_match_http3(certs):
     for proto in PROTOCOLS:
         assert label(by_id[f"m-{proto}"]) == label(by_id["m-h3"])
         assert label(by_id[f"m-{proto}-bad"]) == label(by_id["m-h3-bad"])
+    # the one label that differs: the metrics' protocol
+    label_of = {"http1": "h1", "h2": "h2"}
+    assert {rid: r.protocol for rid, r in by_id.items()} == {
+        "m-h3": "h3", "m-h3-bad": "h3", **{f"m-{p}{bad}": label_of[p] for p in PROTOCOLS for bad in ("", "-bad")}}
 
 
 def test_peer_host_over_tcp(certs):

@@ -58,6 +58,8 @@ log = logging.getLogger("edged.server")
 class RequestStream(HttpRequest):
     """One request on one HTTP/3 stream; the transport-neutral part is HttpRequest (request.py)."""
 
+    http_version = "h3"
+
     def __init__(self, protocol: HttpServerProtocol, stream_id: int, raw_headers: list[tuple[bytes, bytes]]) -> None:
         headers, pseudo = merge_headers(raw_headers)
         super().__init__(protocol.server, protocol._loop, pseudo.get(":method", ""), pseudo.get(":path", ""), headers)

@@ -60,6 +60,8 @@ def merge_headers(raw: Iterable[tuple[bytes, bytes]]) -> tuple[dict[str, str], d
 class HttpRequest:
     """One request: headers and body in, response out. The route handler only sees this object."""
 
+    http_version: str  # "h1" | "h2" | "h3", set by each transport's subclass (the metrics' protocol label)
+
     def __init__(self, server: EdgedServer, loop: asyncio.AbstractEventLoop, method: str, target: str,
                  headers: dict[str, str]) -> None:
         self.server = server

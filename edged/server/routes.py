@@ -52,6 +52,7 @@ class RequestRecord:
     completion_tokens: int = 0
     ttft_s: float | None = None  # from the request's headers to the first delta
     duration_s: float = 0.0
+    protocol: str = "h3"  # "h1" | "h2" | "h3"
 
 
 class Router:
@@ -128,12 +129,13 @@ class Router:
             if req.tier is not None and req.outcome != "rejected":  # a completion that reached the engine
                 self._record(RequestRecord(
                     req.request_id, shown_path(req.path), req.status, self._outcome(req), req.tier, None,
-                    req.prompt_tokens, req.completion_tokens, req.ttft, self._elapsed(req)))
+                    req.prompt_tokens, req.completion_tokens, req.ttft, self._elapsed(req), req.http_version))
 
     def rejected(self, req: RequestStream, err: WireError) -> None:
         """A request refused before generation (also called by the protocol for 408/413)."""
         self._record(RequestRecord(req.request_id, shown_path(req.path) or "-", err.status, "rejected", req.tier,
-                                   err.code, duration_s=self._elapsed(req)), param=err.param)
+                                   err.code, duration_s=self._elapsed(req), protocol=req.http_version),
+                     param=err.param)
 
     @staticmethod
     def _outcome(req: RequestStream) -> str:
@@ -151,10 +153,11 @@ class Router:
         level = logging.INFO if self.settings.access_log else logging.DEBUG
         if rec.outcome == "rejected":
             log.log(level, "request rejected %s", fields(rid=rec.request_id, path=rec.path, status=rec.status,
-                                                          code=rec.code, **extra))
+                                                          code=rec.code, protocol=rec.protocol, **extra))
         else:
             log.log(level, "request done %s", fields(
-                rid=rec.request_id, path=rec.path, tier=rec.tier, status=rec.status if rec.status else "-",
+                rid=rec.request_id, path=rec.path, protocol=rec.protocol, tier=rec.tier,
+                status=rec.status if rec.status else "-",
                 outcome=rec.outcome, prompt_tokens=rec.prompt_tokens, completion_tokens=rec.completion_tokens,
                 ttft_ms=round(rec.ttft_s * 1000, 1) if rec.ttft_s is not None else "-",
                 duration_ms=round(rec.duration_s * 1000, 1)))

@@ -185,6 +185,8 @@ class TcpConnection(asyncio.Protocol):
 class H11Request(HttpRequest):
     """A request on an HTTP/1.1 connection (one at a time; a streamed body is chunked)."""
 
+    http_version = "h1"
+
     def __init__(self, session: H11Session, method: str, target: str, headers: dict[str, str]) -> None:
         conn = session.conn
         super().__init__(conn.server, conn.loop, method, target, headers)
@@ -369,6 +371,8 @@ class _Outbound:
 
 class H2Request(HttpRequest):
     """A request on one HTTP/2 stream."""
+
+    http_version = "h2"
 
     def __init__(self, session: H2Session, stream_id: int, method: str, target: str,
                  headers: dict[str, str]) -> None:
