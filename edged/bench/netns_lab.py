@@ -39,7 +39,7 @@ def missing_requirements() -> str | None:
 
 
 def _run(*argv: str, input_text: str | None = None) -> str:
-    r = subprocess.run(argv, input=input_text, capture_output=True, text=True)
+    r = subprocess.run(argv, input=input_text, capture_output=True, text=True, check=False)
     if r.returncode != 0:
         raise RuntimeError(f"{' '.join(argv)}: {r.stderr.strip() or f'exit status {r.returncode}'}")
     return r.stdout
@@ -142,5 +142,5 @@ class NetnsLab:
             self.wire.close()
             self.wire = None
         for ns in reversed(self.created):
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
         self.created.clear()

@@ -104,7 +104,7 @@ DEFAULTS = {"loss": "0,1,3,5", "delay": "0,25", "streams": 8, "tokens": 256, "re
 QUICK = {"loss": "5", "delay": "0", "streams": 4, "tokens": 32, "reps": 1, "returning_reps": 1}
 
 
-def parse_list(text: str, flag: str, kind: type[int] | type[float]) -> list[Any]:
+def parse_list(text: str, flag: str, kind: type[int | float]) -> list[Any]:
     """'0,1,3' -> [0, 1, 3]; ValueError naming the flag."""
     try:
         values = [kind(v) for v in str(text).split(",") if v.strip()]
@@ -217,31 +217,100 @@ def start_daemon(prefix: list[str], config_path: Path, env: dict[str, str]) -> A
     return daemon
 
 
-DAEMON_READY = "edged.daemon: ready "  # the supervisor's line; the engine core's "engine core ready" comes first
-
-
-def wait_daemon_ready(daemon: Any, timeout_s: float) -> None:
-    """RuntimeError with the log's end when the supervisor does not say ready in time (LocalDaemon's own
-    wait also takes the core's earlier "ready" line, before the worker listens)."""
-    deadline = time.monotonic() + timeout_s
-    daemon.wait_ready(timeout_s)
-    while not any(DAEMON_READY in line for line in list(daemon.log)):
-        if daemon.proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"edged serve did not become ready:\n{daemon.log_tail()}")
-        time.sleep(0.05)
-
-
 def load_average() -> float:
     return round(os.getloadavg()[0], 2)
 
 
-def run_network(cfg: NetworkConfig, workdir: Path) -> dict[str, Any]:
-    """The lab, the daemon(s), the cases; the report dict. RuntimeError when something fails to start."""
+RETURNING_MODES = (("h3 full handshake", {"op": "returning", "mode": "full"}),
+                   ("h3 0-RTT", {"op": "returning", "mode": "0rtt"}),
+                   ("h2 new TLS/TCP", {"op": "first_h2"}))
+
+
+@dataclass
+class NetworkRun:
+    """One run of the benchmark: the lab and the client process, a daemon per QUIC congestion
+    control, and what they measured."""
+
+    cfg: NetworkConfig
+    lab: Any  # NetnsLab
+    client: ClientProcess
+    config_path: Path
+    tcp_cc: str
+    cases: list[Any] = field(default_factory=list)  # CaseSummary
+    returning: list[Any] = field(default_factory=list)  # ReturningSummary
+    raw: list[dict[str, Any]] = field(default_factory=list)
+    loads: list[float] = field(default_factory=list)
+
+    def daemon_env(self, cc: str) -> dict[str, str]:
+        from edged.bench.lab_daemon import CC_ENV, INITIAL_RTT_ENV, STEP_MS_ENV
+
+        env = {CC_ENV: cc, STEP_MS_ENV: str(self.cfg.step_ms)}
+        if self.cfg.quic_initial_rtt_ms is not None:
+            env[INITIAL_RTT_ENV] = str(self.cfg.quic_initial_rtt_ms)
+        return env
+
+    def run_variant(self, cc: str, first: bool) -> None:
+        """A daemon with QUIC congestion control `cc`, every case over HTTP/3 (and HTTP/2 and the
+        returning client on the `first` daemon only: they do not depend on it), SIGTERM."""
+        from edged.bench.netns_lab import SERVER_ADDR
+
+        self.lab.set_delay(0)
+        self.lab.set_loss(0)
+        t = time.perf_counter()
+        daemon = start_daemon(self.lab.netns_exec(self.lab.server_ns), self.config_path, self.daemon_env(cc))
+        try:
+            daemon.wait_ready(self.cfg.ready_timeout_s)
+            _say(f"edged ready in its namespace at {SERVER_ADDR}:{SERVER_PORT} in {time.perf_counter() - t:.1f} s "
+                 f"(QUIC congestion control: {cc})")
+            protos = [("h3", f"h3/{cc}")] + ([("h2", f"h2/{self.tcp_cc}")] if first else [])
+            if self.cfg.warm_up:  # not counted: the first batch of a fresh daemon is slow
+                for proto, _ in protos:
+                    self.client.call({"op": "streams", "proto": proto, "streams": self.cfg.streams, "max_tokens": 16})
+            for delay in self.cfg.delays_ms:
+                self.lab.set_delay(delay)
+                for loss in self.cfg.losses:
+                    for proto, label in protos:
+                        self.run_case(proto, label, loss, delay)
+                if first and self.cfg.returning_reps:
+                    self.run_returning(delay)
+        finally:
+            status = daemon.stop()
+            if status != 0:
+                _say(f"edged serve exited with status {status} after SIGTERM:\n{daemon.log_tail()}")
+
+    def run_case(self, proto: str, label: str, loss: int, delay: float) -> None:
+        from edged.bench.network_report import summarize_case
+
+        self.lab.set_loss(loss)  # also zeroes the drop counters: each case counts its own
+        runs = []
+        for rep in range(self.cfg.reps):
+            res = self.client.call({"op": "streams", "proto": proto, "streams": self.cfg.streams,
+                                    "max_tokens": self.cfg.max_tokens, "seed": rep})
+            runs.append(res)
+            self.raw.append({"proto": label, "loss_pct": loss, "delay_ms": delay, "rep": rep, **res})
+        case = summarize_case(label, loss, delay, runs, self.lab.counters(), self.cfg.stall_ms / 1000)
+        self.cases.append(case)
+        self.loads.append(load_average())
+        _say(f"{label} loss {loss}% +{delay:g} ms: gap p99 {case.gap_p99_ms} ms, max {case.gap_max_ms} ms, "
+             f"ttft p50 {case.ttft_p50_ms} ms, {case.errors} errors, {case.packets_dropped} packets dropped")
+
+    def run_returning(self, delay: float) -> None:
+        from edged.bench.network_report import summarize_returning
+
+        self.lab.set_loss(0)
+        for mode, cmd in RETURNING_MODES:
+            runs = [self.client.call({**cmd, "seed": 100 + i}) for i in range(self.cfg.returning_reps)]
+            self.raw.extend({"mode": mode, "delay_ms": delay, **r} for r in runs)
+            r = summarize_returning(delay, mode, runs)
+            self.returning.append(r)
+            _say(f"returning client +{delay:g} ms, {mode}: ttft {r.ttft_p50_ms} ms {r.note}")
+
+
+def prepare_daemon_files(cfg: NetworkConfig, workdir: Path, server_addr: str) -> tuple[Path, str]:
+    """The model (unless --model), a certificate valid for the daemon's address (the daemon finds and
+    reuses it) and config.yaml; (config path, CA file)."""
     import yaml
 
-    from edged.bench.netns_lab import SERVER_ADDR, NetnsLab
-    from edged.bench.network_report import (acceptance, report_dict, summarize_case, summarize_returning)
-    from edged.bench.lab_daemon import CC_ENV, INITIAL_RTT_ENV, STEP_MS_ENV
     from edged.server.tls import ensure_cert
 
     if cfg.model:
@@ -253,93 +322,44 @@ def run_network(cfg: NetworkConfig, workdir: Path) -> dict[str, Any]:
         (workdir / "model").mkdir()
         model_path = write_tiny_hf_dir(workdir / "model", max_position_embeddings=context_length(cfg))
     state_dir = workdir / "state"
-    ca_file, _ = ensure_cert(state_dir, extra_names=[SERVER_ADDR])  # the daemon reuses it: valid for that address
+    ca_file, _ = ensure_cert(state_dir, extra_names=[server_addr])
     config_path = workdir / "config.yaml"
-    config_path.write_text(yaml.safe_dump(daemon_config(cfg, state_dir, model_path, f"{SERVER_ADDR}:{SERVER_PORT}"),
+    config_path.write_text(yaml.safe_dump(daemon_config(cfg, state_dir, model_path, f"{server_addr}:{SERVER_PORT}"),
                                           sort_keys=False))
+    return config_path, ca_file
+
+
+def run_network(cfg: NetworkConfig, workdir: Path) -> dict[str, Any]:
+    """The lab, the daemon(s), the cases; the report dict. RuntimeError when something fails to start."""
+    from edged.bench.netns_lab import SERVER_ADDR, NetnsLab
+    from edged.bench.network_report import acceptance, report_dict
+
+    config_path, ca_file = prepare_daemon_files(cfg, workdir, SERVER_ADDR)
     lab = NetnsLab()
     lab.create()
+    started = time.perf_counter()
     try:
         if cfg.tcp_cc:
             lab.set_tcp_congestion_control(cfg.tcp_cc)
-        tcp_cc = lab.tcp_congestion_control()
-    except RuntimeError:
-        lab.close()
-        raise
-    raw: list[dict[str, Any]] = []
-    cases = []
-    returning = []
-    loads: list[float] = [load_average()]
-    started = time.perf_counter()
-    try:
         client = ClientProcess.start(lab.netns_exec(lab.client_ns), SERVER_ADDR, SERVER_PORT, ca_file)
+        run = NetworkRun(cfg, lab, client, config_path, lab.tcp_congestion_control(), loads=[load_average()])
         try:
             for k, cc in enumerate(cfg.quic_ccs):
-                env = {CC_ENV: cc, STEP_MS_ENV: str(cfg.step_ms)}
-                if cfg.quic_initial_rtt_ms is not None:
-                    env[INITIAL_RTT_ENV] = str(cfg.quic_initial_rtt_ms)
-                lab.set_delay(0)
-                lab.set_loss(0)
-                t = time.perf_counter()
-                daemon = start_daemon(lab.netns_exec(lab.server_ns), config_path, env)
-                try:
-                    wait_daemon_ready(daemon, cfg.ready_timeout_s)
-                    _say(f"edged ready in its namespace at {SERVER_ADDR}:{SERVER_PORT} in "
-                         f"{time.perf_counter() - t:.1f} s (QUIC congestion control: {cc})")
-                    protos = [("h3", f"h3/{cc}")] + ([("h2", f"h2/{tcp_cc}")] if k == 0 else [])
-                    if cfg.warm_up:  # not counted: the first batch of a fresh daemon is slow
-                        t = time.perf_counter()
-                        for proto, _ in protos:
-                            client.call({"op": "streams", "proto": proto, "streams": cfg.streams, "max_tokens": 16})
-                        _say(f"warm-up runs took {time.perf_counter() - t:.1f} s")
-                    for delay in cfg.delays_ms:
-                        lab.set_delay(delay)
-                        for loss in cfg.losses:
-                            for proto, label in protos:
-                                runs = []
-                                lab.set_loss(loss)  # fresh counters per protocol
-                                for rep in range(cfg.reps):
-                                    res = client.call({"op": "streams", "proto": proto, "streams": cfg.streams,
-                                                       "max_tokens": cfg.max_tokens, "seed": rep})
-                                    runs.append(res)
-                                    raw.append({"proto": label, "loss_pct": loss, "delay_ms": delay, "rep": rep,
-                                                **res})
-                                case = summarize_case(label, loss, delay, runs, lab.counters(), cfg.stall_ms / 1000)
-                                cases.append(case)
-                                loads.append(load_average())
-                                _say(f"{label} loss {loss}% +{delay:g} ms: gap p99 {case.gap_p99_ms} ms, "
-                                     f"max {case.gap_max_ms} ms, ttft p50 {case.ttft_p50_ms} ms, "
-                                     f"{case.errors} errors, {case.packets_dropped} packets dropped")
-                        if k == 0 and cfg.returning_reps:
-                            lab.set_loss(0)
-                            for mode, cmd in (("h3 full handshake", {"op": "returning", "mode": "full"}),
-                                              ("h3 0-RTT", {"op": "returning", "mode": "0rtt"}),
-                                              ("h2 new TLS/TCP", {"op": "first_h2"})):
-                                runs = [client.call({**cmd, "seed": 100 + i}) for i in range(cfg.returning_reps)]
-                                raw.extend({"mode": mode, "delay_ms": delay, **r} for r in runs)
-                                returning.append(summarize_returning(delay, mode, runs))
-                                r = returning[-1]
-                                _say(f"returning client +{delay:g} ms, {mode}: ttft {r.ttft_p50_ms} ms {r.note}")
-                finally:
-                    t = time.perf_counter()
-                    status = daemon.stop()
-                    _say(f"edged stopped in {time.perf_counter() - t:.1f} s")
-                    if status != 0:
-                        _say(f"edged serve exited with status {status} after SIGTERM:\n{daemon.log_tail()}")
+                run.run_variant(cc, first=k == 0)
         finally:
             client.close()
         if lab.wire is not None and lab.wire.error is not None:
             raise RuntimeError(f"the delay line failed: {lab.wire.error}")
     finally:
         lab.close()
-    checks = acceptance(cases, returning)
+    checks = acceptance(run.cases, run.returning)
     meta = {"losses_pct": cfg.losses, "delays_ms": cfg.delays_ms, "streams": cfg.streams, "tokens": cfg.max_tokens,
-            "reps": cfg.reps, "step_ms": cfg.step_ms, "stall_ms": cfg.stall_ms, "quic_ccs": cfg.quic_ccs, "quic_initial_rtt_ms": cfg.quic_initial_rtt_ms,
+            "reps": cfg.reps, "step_ms": cfg.step_ms, "stall_ms": cfg.stall_ms, "quic_ccs": cfg.quic_ccs,
+            "quic_initial_rtt_ms": cfg.quic_initial_rtt_ms, "tcp_congestion_control": run.tcp_cc,
             "model": cfg.model or "tiny random-weight (default tokenizer)", "cpus": os.cpu_count(),
-            "load_average_1m": loads, "duration_s": round(time.perf_counter() - started, 1),
-            "tcp_congestion_control": tcp_cc}
-    return {"report": report_dict(meta, cases, returning, checks, raw), "cases": cases, "returning": returning,
-            "checks": checks}
+            "load_average_1m": run.loads, "duration_s": round(time.perf_counter() - started, 1)}
+    return {"report": report_dict(meta, run.cases, run.returning, checks, run.raw), "cases": run.cases,
+            "returning": run.returning, "checks": checks}
 
 
 def _interrupt(signum: int, frame: Any) -> None:

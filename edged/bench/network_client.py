@@ -176,9 +176,9 @@ async def h3_first_token(host: str, port: int, ca_file: str, body: bytes, ticket
     `use_ticket` and a ticket allows early data, else as soon as the handshake completes."""
     from aioquic.asyncio.client import connect
     from aioquic.h3.connection import H3_ALPN
+    from aioquic.quic.configuration import QuicConfiguration
 
     from edged.bench.h3_probe import ProbeProtocol
-    from aioquic.quic.configuration import QuicConfiguration
 
     config = QuicConfiguration(is_client=True, alpn_protocols=H3_ALPN, server_name=host)
     config.load_verify_locations(ca_file)
@@ -206,10 +206,9 @@ async def h2_first_token(host: str, port: int, ca_file: str, body: bytes) -> dic
     start = time.perf_counter()
     res = StreamResult()
     async with httpx.AsyncClient(http2=True, verify=tls_context(ca_file),
-                                 timeout=httpx.Timeout(REQUEST_TIMEOUT_S, connect=CONNECT_TIMEOUT_S)) as client:
-        async with client.stream("POST", f"https://{host}:{port}/v1/chat/completions", content=body,
-                                 headers=HEADERS) as rs:
-            await time_sse(rs.aiter_raw(), start, res)
+                                 timeout=httpx.Timeout(REQUEST_TIMEOUT_S, connect=CONNECT_TIMEOUT_S)) as client, \
+            client.stream("POST", f"https://{host}:{port}/v1/chat/completions", content=body, headers=HEADERS) as rs:
+        await time_sse(rs.aiter_raw(), start, res)
     return {"ttft_s": res.ttft_s, "error": res.error}
 
 
@@ -234,7 +233,7 @@ async def serve_commands(host: str, port: int, ca_file: str) -> None:
     while line := await loop.run_in_executor(None, sys.stdin.readline):
         try:
             out = await handle(json.loads(line), host, port, ca_file, tickets)
-        except Exception as e:  # reported to the benchmark, which records the case as failed
+        except Exception as e:  # noqa: BLE001  (reported to the benchmark, which records the case as failed)
             out = {"error": f"{type(e).__name__}: {e}"}
         sys.stdout.write(json.dumps(out) + "\n")
         sys.stdout.flush()
