@@ -11,9 +11,15 @@ install:
 
 install-test: install
 	$(PY) -m pip install -q -r requirements-ci.txt
-	command -v systemd-analyze >/dev/null || (apt-get update -qq && apt-get install -y -qq --no-install-recommends systemd >/dev/null)
-# headless Chromium for tests/test_browser_h3.py (driven by Playwright, which downloads no browser)
-	command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq --no-install-recommends chromium >/dev/null)
+# System tools the tests drive: systemd-analyze (the unit file), headless chromium (tests/test_browser_h3.py,
+# through Playwright, which downloads no browser), nft and ip (the namespaces of `edged bench network`).
+	@missing=""; \
+	command -v systemd-analyze >/dev/null || missing="$$missing systemd"; \
+	command -v chromium >/dev/null || missing="$$missing chromium"; \
+	command -v nft >/dev/null || missing="$$missing nftables"; \
+	command -v ip >/dev/null || missing="$$missing iproute2"; \
+	[ -z "$$missing" ] || { echo "apt-get install$$missing"; apt-get update -qq && \
+		apt-get install -y -qq --no-install-recommends $$missing >/dev/null; }
 
 run: install
 	edged serve --state-dir $(STATE_DIR) --listen 127.0.0.1:4433
