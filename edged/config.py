@@ -129,6 +129,8 @@ class QuicConfig:
     idle_timeout_s: float = _f(60.0, gt=0)  # a connection silent this long is closed (new connections)
     ticket_lifetime_s: float = _f(86400.0, gt=0, le=86400)  # 0-RTT session tickets (aioquic announces 24 h)
     max_tickets: int = _f(100_000, gt=0)  # rows kept in <state_dir>/quic_tickets.sqlite, oldest dropped
+    # reno-floor: New Reno whose window stays >= 10 datagrams (edged/server/quic_congestion.py says why)
+    congestion_control: str = _f("reno-floor", choices=("reno-floor", "reno", "cubic"))
 
 
 @dataclass(slots=True)
@@ -633,7 +635,8 @@ def apply_overrides(config: Config, *, listen: str | None = None, state_dir: str
 
 # Keys (or prefixes) whose change takes effect only after a restart; everything else applies live.
 RESTART_REQUIRED = ("model", "server.listen", "server.workers", "server.tcp", "server.certfile", "server.keyfile",
-                    "server.state_dir", "cache.host_spill_bytes", "scheduler.pin_threads")
+                    "server.state_dir", "server.quic.congestion_control", "cache.host_spill_bytes",
+                    "scheduler.pin_threads")
 
 
 def needs_restart(key_path: str) -> bool:

@@ -229,6 +229,55 @@ def test_quic_config_keys_and_their_validation() -> None:
         assert f"server.{'' if key == 'zero_rtt' else 'quic.'}{key}:" in problems, key
 
 
+def test_congestion_control_key_defaults_to_reno_floor_and_names_only_known_algorithms() -> None:
+    assert parse_config({}, "t.yaml").server.quic.congestion_control == "reno-floor"
+    assert parse_config({"server": {"quic": {"congestion_control": "cubic"}}}, "t.yaml").server.quic.congestion_control == "cubic"
+    with pytest.raises(ConfigError) as e:
+        parse_config({"server": {"quic": {"congestion_control": "bbr"}}}, "t.yaml")
+    assert "server.quic.congestion_control:" in "\n".join(e.value.messages())
+
+
+def test_reno_floor_keeps_the_initial_window_through_losses_where_reno_shrinks_to_two_datagrams() -> None:
+    from aioquic.quic.congestion.base import K_INITIAL_WINDOW, create_congestion_control
+    from aioquic.quic.packet_builder import QuicSentPacket
+
+    from edged.server import quic_congestion  # noqa: F401  (registers reno-floor)
+
+    def after_losses(name: str) -> tuple[int, int]:
+        cc = create_congestion_control(name, max_datagram_size=1200)
+        for i in range(20):  # a loss per round trip, then persistent congestion
+            lost = QuicSentPacket(epoch=3, in_flight=True, is_ack_eliciting=True, is_crypto_packet=False,
+                                  packet_number=i, packet_type=0, sent_bytes=1200, sent_time=float(i))
+            cc.on_packet_sent(packet=lost)
+            cc.on_packets_lost(now=float(i) + 0.5, packets=[lost])
+        shrunk = cc.congestion_window
+        cc.on_persistent_congestion()
+        return shrunk, cc.congestion_window
+
+    assert after_losses("reno") == (2 * 1200, 2 * 1200)
+    assert after_losses("reno-floor") == (K_INITIAL_WINDOW * 1200, K_INITIAL_WINDOW * 1200)
+
+
+def test_server_connections_run_the_configured_congestion_control(certs) -> None:
+    from edged.server.h3_server import serve
+    from edged.server.quic_congestion import RenoFloorCongestionControl
+    from edged.server.routes import Router
+
+    async def go() -> None:
+        srv = await serve(Router(FakeEngine(max_model_len=256), ServerSettings()), "127.0.0.1", 0, *certs)
+        try:
+            async with H3Client("127.0.0.1", srv.port, ca_file=certs[0]) as c:
+                assert (await c.request("GET", "/healthz")).status == 200
+                conns = {p._quic for p in srv._quic_server._protocols.values()}
+                assert len(conns) == 1
+                assert type(conns.pop()._loss._cc) is RenoFloorCongestionControl
+        finally:
+            srv.close()
+            await srv.wait_closed()
+
+    run(go())
+
+
 # ------------------------------------------------------------------ zero_rtt on and off, in process
 
 @pytest.mark.parametrize("zero_rtt", [True, False])

@@ -2,7 +2,7 @@
 varies that the daemon has no config key for, read from the environment:
 
     EDGED_BENCH_QUIC_CC=reno|cubic|reno-floor  the server's QuicConfiguration.congestion_control_algorithm
-                                       (reno-floor: a lab variant defined here, see register_reno_floor)
+                                       (reno-floor, the daemon's default: edged/server/quic_congestion.py)
     EDGED_BENCH_QUIC_INITIAL_RTT_MS=N  the server's QuicConfiguration.initial_rtt (the probe timeout
                                        before the first RTT sample)
     EDGED_BENCH_STEP_MS=N              every engine step takes at least N ms (it sleeps the rest)
@@ -30,36 +30,11 @@ CORE_PROCESS = "edged-core"  # the supervisor's name for the engine core process
 # importing this module in the child)
 
 
-def register_reno_floor() -> None:
-    """"reno-floor": New Reno whose window never drops below the initial window (10 datagrams) on loss
-    or persistent congestion. A lab variant: on a randomly lossy path a token stream is
-    application-limited, and plain Reno/CUBIC shrink the window at every loss to 2 datagrams, below
-    what one engine step of 8 streams needs per round trip."""
-    from aioquic.quic.congestion.base import K_INITIAL_WINDOW, register_congestion_control
-    from aioquic.quic.congestion.reno import RenoCongestionControl
-
-    class RenoFloor(RenoCongestionControl):
-        def _floor(self) -> None:
-            floor = K_INITIAL_WINDOW * self._max_datagram_size
-            self.congestion_window = max(self.congestion_window, floor)
-            if self.ssthresh is not None:
-                self.ssthresh = max(self.ssthresh, floor)
-
-        def on_packets_lost(self, *, now: float, packets: Any) -> None:
-            super().on_packets_lost(now=now, packets=packets)
-            self._floor()
-
-        def on_persistent_congestion(self) -> None:
-            super().on_persistent_congestion()
-            self._floor()
-
-    register_congestion_control("reno-floor", RenoFloor)
-
-
 def install_quic_override(cc: str | None, initial_rtt_ms: str | None) -> None:
     """Server configurations only; a client's are left as made."""
-    register_reno_floor()
     from aioquic.quic.configuration import QuicConfiguration
+
+    from edged.server import quic_congestion  # noqa: F401  (registers reno-floor)
 
     made = QuicConfiguration.__init__
 

@@ -40,6 +40,7 @@ from aioquic.quic.events import (
 )
 
 from edged.log import fields
+from edged.server import quic_congestion  # noqa: F401  (registers "reno-floor" with aioquic)
 from edged.server.quic_early_data import replay_safe
 from edged.server.quic_listener import EdgedQuicServer
 from edged.server.quic_routing import CidRoute
@@ -507,6 +508,7 @@ async def serve(
         alpn_protocols=H3_ALPN,
         max_datagram_frame_size=settings.max_datagram_frame_size,
         idle_timeout=settings.idle_timeout_s,
+        congestion_control_algorithm=settings.quic_congestion_control,
     )
     config.load_cert_chain(certfile, keyfile)
     server = EdgedServer(router)

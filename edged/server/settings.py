@@ -48,3 +48,4 @@ class ServerSettings:
     quic_retry_above_per_s: float = 200.0  # new handshakes/s above which Initials get a Retry; 0: always
     quic_retry_above_unvalidated_per_address: int = 8  # unproven handshakes in flight from one IP; more: Retry
     quic_handshake_timeout_s: float = 10.0  # a handshake not complete by then: the connection is closed
+    quic_congestion_control: str = "reno-floor"  # aioquic's name; reno-floor: quic_congestion.py

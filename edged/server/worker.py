@@ -62,6 +62,7 @@ def server_settings(config: Config, worker: str | None = None) -> ServerSettings
         quic_retry_above_per_s=config.server.quic.retry_above_handshakes_per_s,
         quic_retry_above_unvalidated_per_address=config.server.quic.retry_above_unvalidated_per_address,
         quic_handshake_timeout_s=config.server.quic.handshake_timeout_s,
+        quic_congestion_control=config.server.quic.congestion_control,
     )
 
 
