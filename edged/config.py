@@ -122,7 +122,7 @@ class QuicConfig:
     """server.quic: limits on QUIC connections (per worker process) and session tickets."""
 
     max_connections: int = _f(2048, gt=0)  # per worker; more: new connections refused
-    max_connections_per_address: int = _f(64, gt=0)  # per worker, from one client IP
+    max_connections_per_address: int = _f(256, gt=0)  # per worker, from one client IP (NATs share one)
     retry_above_handshakes_per_s: float = _f(200.0, ge=0)  # Retry (address validation) above this; 0: always
     retry_above_unvalidated_per_address: int = _f(8, gt=0)  # unproven handshakes in flight from one IP
     handshake_timeout_s: float = _f(10.0, gt=0)  # a handshake not complete by then is dropped

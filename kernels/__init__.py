@@ -10,10 +10,14 @@ Numerics policy, followed by every implementation whatever the activation dtype 
   QK^T and PV), rms_norm (sum of squares, scaling and the weight product), softmax, rope, SiLU and
   its product, int8 KV dequantization, and the logits (`linear(..., out_dtype=torch.float32)`);
 - stored in the activation dtype: activations between ops (the output of each op, rounded once),
-  the residual stream, dense weights, norm weights and the KV cache (or int8 KV with float32 scales);
-- stored in their own dtype: w8 scales in float32, w4 scales and minimums in float16 (kernels/weights.py);
-- tensor-core operands (Triton tl.dot) are the activation dtype: a dequantized weight tile and the
-  softmax probabilities are rounded to it right before the dot, which accumulates in float32.
+  the residual stream, dense weights, norm weights and the KV cache (or int8 KV, symmetric, with float32
+  scales: keys one per token, kv head and 32 channels of head_dim, values one per token and kv head;
+  layout in reference.py);
+- stored in their own dtype: w8 and w4 group scales and minimums in float16, GGUF's own (w = q * scale
+  + minimum per group of 32; kernels/weights.py);
+- tensor-core operands (Triton tl.dot) are the activation dtype: a dequantized weight tile, a dequantized
+  int8 K or V tile and the softmax probabilities are rounded to it right before the dot, which
+  accumulates in float32.
 """
 from __future__ import annotations
 

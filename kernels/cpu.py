@@ -4,9 +4,10 @@
   `cpu_native.py` (activations, scales, accumulation and result in fp32, as the numerics policy
   asks); from `DEQUANT_ROWS` rows on (prefill) a packed weight is dequantized into a scratch buffer
   and multiplied by MKL's float32 GEMM, which is faster once the product is compute-bound. Where no
-  C compiler is available, torch's own weight-only kernels (`_weight_int4pack_mm_for_cpu`,
-  `_weight_int8pack_mm`) run instead: vectorized on x86 only for bfloat16, so activations, scales
-  and results pass through bfloat16 there (greedy text may then differ from the oracle's).
+  C compiler is available, torch's own weight-only kernel `_weight_int4pack_mm_for_cpu` runs w4
+  instead: vectorized on x86 only for bfloat16, so activations, scales and results pass through
+  bfloat16 there (greedy text may then differ from the oracle's); w8 (groups, which torch's int8
+  kernel does not take) is dequantized once at prepack to float32 and multiplied densely.
 - attention: decode runs one C kernel over every sequence's blocks in place (no per-sequence loop,
   no gather copy; float32 or int8 caches); otherwise (bf16) one `index_select` gathers the blocks
   into a padded [B, L] layout for one masked `scaled_dot_product_attention`. Prefill runs SDPA per
@@ -29,10 +30,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import cpu_native, reference
+from . import cpu_native
 from .reference import quantize_kv_int8
 from .reference import sample as sample  # noqa: PLC0414 - one per-step op: the reference is the implementation
-from .weights import LinearWeight
+from .weights import LinearWeight, dequantize
 
 DEQUANT_ROWS = 32  # rows from which a quantized linear dequantizes into scratch and runs a dense GEMM
 DEQUANT_MAX_ELEMENTS = 1 << 23  # ... unless the weight is larger than this (a vocabulary-sized lm_head)
@@ -54,10 +55,10 @@ def _native() -> bool:
 class CpuPacked:
     """A LinearWeight in the layout of a CPU kernel.
 
-    native-w4 / native-w8: cpu_native's layout (weight, scale: float16 scales+minimums or float32 scales);
-    torch-w4 / torch-w8: torch's bfloat16 kernels (weight: int4pack or int8, scale: bf16 scale-and-zero
-    or bf16 scales, offset_rest: the part of the Q4 offsets that bf16 could not hold, fp32 or None);
-    dense: the weight itself; oracle: a shape that no kernel here takes, computed by reference.linear."""
+    native-w4 / native-w8: cpu_native's layout (weight, scale: float16 scales+minimums per group);
+    torch-w4: torch's bfloat16 kernel (weight: int4pack, scale: bf16 scale-and-zero, offset_rest: the
+    part of the Q4 offsets that bf16 could not hold, fp32); torch-w8: the weight dequantized to float32
+    (torch has no grouped int8 kernel); dense: the weight itself."""
 
     format: str
     weight: torch.Tensor
@@ -82,15 +83,13 @@ def _pack(w: LinearWeight) -> CpuPacked:
     if w.format not in ("w4", "w8"):
         raise ValueError(f"unknown weight format {w.format!r}")
     if _native():
-        if w.format == "w8" and w.in_features % 2 == 0:  # the kernel takes columns in pairs
-            return CpuPacked("native-w8", *cpu_native.pack_w8(w.data, w.scale), n, 0, bias)
+        if w.format == "w8" and w.group_size % 2 == 0:  # the kernel takes columns in pairs
+            return CpuPacked("native-w8", *cpu_native.pack_w8(w.data, w.scale, w.minimum), n, w.group_size, bias)
         if w.format == "w4":
             return CpuPacked("native-w4", *cpu_native.pack_w4(w.data, w.scale, w.minimum, w.group_size), n,
                              w.group_size, bias)
-    if w.format == "w8" and w.in_features % 16 == 0:  # torch's int8 kernel misreads other widths
-        return CpuPacked("torch-w8", w.data.contiguous(), w.scale.to(_BF16), n, 0, bias)
-    if w.format == "w8":
-        return CpuPacked("oracle", w.data, None, n, 0, bias)
+    if w.format == "w8":  # torch's int8 kernel (_weight_int8pack_mm) takes one scale per row, no groups
+        return CpuPacked("torch-w8", dequantize(w, _F32), None, n, 0, bias)
     padded = -(-n // 64) * 64  # the int4 kernel works on blocks of 64 output rows
     q = torch.zeros(padded, w.in_features, dtype=torch.int32)
     q[:n] = torch.stack(((w.data & 0x0F), (w.data >> 4)), dim=-1).view(n, -1)
@@ -120,8 +119,6 @@ def linear(x: torch.Tensor, w: LinearWeight, out_dtype: torch.dtype | None = Non
     """y = x @ W^T + b, accumulated in fp32, returned in out_dtype (default: x's dtype)."""
     out_dtype = out_dtype or x.dtype
     p = _packed(w)
-    if p.format == "oracle":  # a shape that no CPU kernel here takes
-        return reference.linear(x, w, out_dtype=out_dtype)
     if p.format == "dense" and out_dtype == _F32 and x.dtype != _F32:
         y = F.linear(x.to(_F32), p.weight.to(_F32))  # float32 logits: no half-precision rounding before argmax
     elif p.format == "dense":
@@ -134,9 +131,8 @@ def linear(x: torch.Tensor, w: LinearWeight, out_dtype: torch.dtype | None = Non
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(_BF16).contiguous(), p.weight, p.group_size, p.scale)
         sums = x2.to(_F32).view(x2.shape[0], -1, p.group_size).sum(-1)
         y = torch.addmm(y.to(_F32), sums, p.offset_rest)[:, :p.out_features].reshape(*x.shape[:-1], -1)
-    else:
-        x2 = x.reshape(-1, x.shape[-1]).to(_BF16).contiguous()
-        y = torch.ops.aten._weight_int8pack_mm(x2, p.weight, p.scale).view(*x.shape[:-1], -1)
+    else:  # torch-w8: the weight dequantized once at prepack, float32 throughout
+        y = F.linear(x if x.dtype == _F32 else x.to(_F32), p.weight)
     if p.bias is not None:
         y = y.to(_F32).add_(p.bias)
     return y if y.dtype == out_dtype else y.to(out_dtype)
@@ -158,12 +154,12 @@ def _native_linear(x: torch.Tensor, p: CpuPacked) -> torch.Tensor:
         if w4:
             cpu_native.w4_dequant_t(p.weight, p.scale, p.group_size, out=wt)
         else:
-            cpu_native.w8_dequant_t(p.weight, p.scale, out=wt)
+            cpu_native.w8_dequant_t(p.weight, p.scale, p.group_size, out=wt)
         y = torch.mm(x, wt)
         return y if y.shape[1] == p.out_features else y[:, :p.out_features]
     if w4:
         return cpu_native.w4_gemm(x, p.weight, p.scale, p.out_features, p.group_size)
-    return cpu_native.w8_gemm(x, p.weight, p.scale, p.out_features)
+    return cpu_native.w8_gemm(x, p.weight, p.scale, p.out_features, p.group_size)
 
 
 # --- norms, rope, activation -------------------------------------------------------------------------
@@ -299,12 +295,12 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         kc.index_copy_(0, slots, k if k.dtype == kc.dtype else k.to(kc.dtype))
         vc.index_copy_(0, slots, v if v.dtype == vc.dtype else v.to(vc.dtype))
         return
-    kq, ks = quantize_kv_int8(k)
-    vq, vs = quantize_kv_int8(v)
+    kq, ks = quantize_kv_int8(k, k_scale.shape[-1])
+    vq, vs = quantize_kv_int8(v, v_scale.shape[-1])
     kc.index_copy_(0, slots, kq)
     vc.index_copy_(0, slots, vq)
-    k_scale.view(n * s, -1).index_copy_(0, slots, ks.to(k_scale.dtype))
-    v_scale.view(n * s, -1).index_copy_(0, slots, vs.to(v_scale.dtype))
+    k_scale.view(n * s, *k_scale.shape[2:]).index_copy_(0, slots, ks.to(k_scale.dtype))
+    v_scale.view(n * s, *v_scale.shape[2:]).index_copy_(0, slots, vs.to(v_scale.dtype))
 
 
 # --- attention ---------------------------------------------------------------------------------------
@@ -344,12 +340,19 @@ def _gather(cache: torch.Tensor, scale: torch.Tensor | None, index: torch.Tensor
     n_blocks = index.numel() // batch
     s, h, d = cache.shape[1:]
     out = cache.index_select(0, index).view(batch, n_blocks * s, h, d)
-    if scale is not None:
-        sc = scale.index_select(0, index).view(batch, n_blocks * s, h, 1)
-        out = out.to(_F32).mul_(sc)
+    if scale is not None:  # one scale per group of d / G channels
+        groups = scale.shape[-1]
+        sc = scale.index_select(0, index).view(batch, n_blocks * s, h, groups, 1)
+        out = out.to(_F32).view(batch, n_blocks * s, h, groups, d // groups).mul_(sc).flatten(-2)
     elif out.dtype != _F32:
         out = out.to(_F32)
     return out[:, :length].transpose(1, 2)
+
+
+def _native_kv_scales(k_scale: torch.Tensor, v_scale: torch.Tensor, head_dim: int) -> bool:
+    """Whether the C decode kernel reads these int8 scales: float32, contiguous, groups of whole 16-lane vectors."""
+    return all(t.dtype == _F32 and t.is_contiguous() and (head_dim // t.shape[-1]) % 16 == 0
+               for t in (k_scale, v_scale))
 
 
 def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -362,7 +365,8 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             and k_cache.dtype in (_F32, torch.int8) and k_cache.is_contiguous() and v_cache.is_contiguous()
             and block_tables.dtype == torch.int32 and block_tables.is_contiguous()
             and context_lens.dtype == torch.int32 and context_lens.is_contiguous()
-            and (k_scale is None) == (k_cache.dtype == _F32)):
+            and (k_scale is None) == (k_cache.dtype == _F32)
+            and (k_scale is None or _native_kv_scales(k_scale, v_scale, d))):
         return cpu_native.attention_decode(q.contiguous(), k_cache, v_cache, block_tables, context_lens, scale,
                                            k_scale, v_scale)
     lay = _decode_layout(block_tables, context_lens, k_cache.shape[1])

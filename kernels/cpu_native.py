@@ -11,14 +11,14 @@ weights once per call.
 
 Layout (`pack_w4`, `pack_w8`): output rows in blocks of 16, one SIMD vector per column;
 - w4: for each pair of columns (k, k+1), 16 bytes: byte i = q[row i][k] | q[row i][k+1] << 4;
-  per group, the 16 rows' scales then their minimums in float16 (GGUF's own precision);
+- w8: for each column k, the 16 rows' uint8 values;
+- both: per group, the 16 rows' scales then their minimums in float16 (GGUF's own precision);
   y = sum over groups of scale * sum_k q x_k + minimum * sum_k x_k.
-- w8: for each column k, the 16 rows' int8 values; one float32 scale per row, applied at the end.
 Both are copies made at load (`cpu.prepack`); the LinearWeight keeps its own layout for the oracle.
 Threads: OpenMP, `torch.get_num_threads()` for GEMMs of at least PARALLEL_MACS multiply-adds, one
 below. The C source is compiled with the system C compiler (-O3 -march=native -fopenmp, about a second)
 into a per-user cache; without a compiler `available()` is False and kernels/cpu.py falls back to
-torch's bfloat16 kernels.
+torch's bfloat16 int4 kernel and a float32 copy of w8 weights.
 """
 from __future__ import annotations
 
@@ -77,6 +77,9 @@ static inline void u4x16(const uint8_t *p, vf *lo, vf *hi) {
 static inline vf s8x16(const int8_t *p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
 }
+static inline vf u8x16(const uint8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 typedef struct { __m256 a, b; } vf;
 #define MB_WIDE 0 /* 16 vector registers: tiles of 1 or 2 rows of x */
@@ -124,6 +127,11 @@ static inline void u4x16(const uint8_t *p, vf *lo, vf *hi) {
 static inline vf s8x16(const int8_t *p) {
     __m128i b = _mm_loadu_si128((const __m128i *)p);
     vf r = {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)))};
+    return r;
+}
+static inline vf u8x16(const uint8_t *p) {
+    __m128i b = _mm_loadu_si128((const __m128i *)p);
+    vf r = {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8)))};
     return r;
 }
 #else
@@ -225,39 +233,57 @@ void edged_w4_gemm(const float *x, int64_t M, int64_t K, const uint8_t *w, const
     free(xs);
 }
 
+/* w8: as w4 with one byte per weight (q in 0..255): per group, scale * sum q x + minimum * sum x. */
 static inline __attribute__((always_inline)) void w8_tile(
-    const float *x, int64_t K, const int8_t *w, const float *scale, float *y, int64_t ldy, const int MB, const int RBT)
+    const float *x, const float *xs, int64_t K, int64_t G, int64_t gs, const uint8_t *w, const uint16_t *sm,
+    float *y, int64_t ldy, const int MB, const int RBT)
 {
     const int SPLIT = MB * RBT < 8;
-    vf ga[8][4], gb[8][4];
-    for (int m = 0; m < MB; m++) for (int r = 0; r < RBT; r++) { ga[m][r] = vzero(); gb[m][r] = vzero(); }
-    for (int64_t k = 0; k < K; k += 2) {
+    vf acc[8][4], ga[8][4], gb[8][4];
+    for (int m = 0; m < MB; m++) for (int r = 0; r < RBT; r++) acc[m][r] = vzero();
+    for (int64_t g = 0; g < G; g++) {
+        for (int m = 0; m < MB; m++) for (int r = 0; r < RBT; r++) { ga[m][r] = vzero(); gb[m][r] = vzero(); }
+        for (int64_t k = g * gs; k < (g + 1) * gs; k += 2) {
+            for (int r = 0; r < RBT; r++) {
+                vf f0 = u8x16(w + (r * K + k) * 16), f1 = u8x16(w + (r * K + k + 1) * 16);
+                for (int m = 0; m < MB; m++) {
+                    ga[m][r] = vfma(f0, vset1(x[m * K + k]), ga[m][r]);
+                    if (SPLIT) gb[m][r] = vfma(f1, vset1(x[m * K + k + 1]), gb[m][r]);
+                    else ga[m][r] = vfma(f1, vset1(x[m * K + k + 1]), ga[m][r]);
+                }
+            }
+        }
         for (int r = 0; r < RBT; r++) {
-            vf f0 = s8x16(w + (r * K + k) * 16), f1 = s8x16(w + (r * K + k + 1) * 16);
+            const uint16_t *p = sm + ((int64_t)r * G + g) * 32;
+            vf s = vloadh(p), mn = vloadh(p + 16);
             for (int m = 0; m < MB; m++) {
-                ga[m][r] = vfma(f0, vset1(x[m * K + k]), ga[m][r]);
-                if (SPLIT) gb[m][r] = vfma(f1, vset1(x[m * K + k + 1]), gb[m][r]);
-                else ga[m][r] = vfma(f1, vset1(x[m * K + k + 1]), ga[m][r]);
+                vf dot = SPLIT ? vadd(ga[m][r], gb[m][r]) : ga[m][r];
+                acc[m][r] = vfma(mn, vset1(xs[m * G + g]), vfma(dot, s, acc[m][r]));
             }
         }
     }
-    for (int m = 0; m < MB; m++)
-        for (int r = 0; r < RBT; r++) {
-            vf dot = SPLIT ? vadd(ga[m][r], gb[m][r]) : ga[m][r];
-            vstore(y + m * ldy + r * 16, vmul(dot, vloadf(scale + r * 16)));
-        }
+    for (int m = 0; m < MB; m++) for (int r = 0; r < RBT; r++) vstore(y + m * ldy + r * 16, acc[m][r]);
 }
 
 #define W8_TILE(MB, RBT) for (int r = 0; r < 4; r += RBT) \
-    w8_tile(x + m * K, K, wt + r * 16 * K, scale + t * 64 + r * 16, y + m * N + t * 64 + r * 16, N, MB, RBT)
+    w8_tile(x + m * K, xs + m * G, K, G, gs, wt + r * 16 * K, st + r * G * 32, y + m * N + t * 64 + r * 16, N, \
+            MB, RBT)
 
-void edged_w8_gemm(const float *x, int64_t M, int64_t K, const int8_t *w, const float *scale,
-                   int64_t N, float *y, int nthreads)
+void edged_w8_gemm(const float *x, int64_t M, int64_t K, const uint8_t *w, const uint16_t *sm,
+                   int64_t N, int64_t gs, float *y, int nthreads)
 {
-    const int64_t tasks = N / 64;
+    const int64_t G = K / gs, tasks = N / 64;
+    float *xs = malloc(sizeof(float) * (M * G + 1));
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t g = 0; g < G; g++) {
+            float s = 0;
+            for (int64_t k = g * gs; k < (g + 1) * gs; k++) s += x[m * K + k];
+            xs[m * G + g] = s;
+        }
     #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t t = 0; t < tasks; t++) {
-        const int8_t *wt = w + t * 64 * K;
+        const uint8_t *wt = w + t * 64 * K;
+        const uint16_t *st = sm + t * 4 * G * 32;
         int64_t m = 0;
 #if MB_WIDE
         for (; m + 8 <= M; m += 8) W8_TILE(8, 1);
@@ -269,6 +295,7 @@ void edged_w8_gemm(const float *x, int64_t M, int64_t K, const int8_t *w, const 
         for (; m < M; m++) W8_TILE(1, 2);
 #endif
     }
+    free(xs);
 }
 
 /* The weight as float32 [K][N] (transposed: one vector store per 16 rows), for compute-bound calls. */
@@ -290,14 +317,18 @@ void edged_w4_dequant_t(const uint8_t *w, const uint16_t *sm, int64_t N, int64_t
         }
 }
 
-void edged_w8_dequant_t(const int8_t *w, const float *scale, int64_t N, int64_t K, float *out, int nthreads)
+void edged_w8_dequant_t(const uint8_t *w, const uint16_t *sm, int64_t N, int64_t K, int64_t gs, float *out,
+                        int nthreads)
 {
-    const int64_t blocks = N / 16;
+    const int64_t G = K / gs, blocks = N / 16;
     #pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t b = 0; b < blocks; b++) {
-        vf s = vloadf(scale + b * 16);
-        for (int64_t k = 0; k < K; k++) vstore(out + k * N + b * 16, vmul(s8x16(w + (b * K + k) * 16), s));
-    }
+    for (int64_t b = 0; b < blocks; b++)
+        for (int64_t g = 0; g < G; g++) {
+            const uint16_t *p = sm + (b * G + g) * 32;
+            vf s = vloadh(p), mn = vloadh(p + 16);
+            for (int64_t k = g * gs; k < (g + 1) * gs; k++)
+                vstore(out + k * N + b * 16, vfma(u8x16(w + (b * K + k) * 16), s, mn));
+        }
 }
 
 /* ---- element-wise ops of one decoder layer (float32, H a multiple of 16) ---- */
@@ -365,13 +396,16 @@ void edged_write_kv(const float *k, int64_t k_stride, const float *v, int64_t v_
 }
 
 /* Decode attention: one query per sequence over its paged context, straight from the cache blocks.
-   q [B, Hq, D]; caches [blocks, S, Hkv, D] float32, or int8 with scales [blocks, S, Hkv] (kq/vq != 0).
-   Scores, softmax and the weighted sum in float32; one task per (sequence, KV head). */
+   q [B, Hq, D]; caches [blocks, S, Hkv, D] float32, or int8 (int8 != 0) with float32 scales
+   [blocks, S, Hkv, NK] (keys) and [blocks, S, Hkv, NV] (values): one per group of D / N channels, a
+   multiple of 16 (NK = NV = 1 for float32). Scores, softmax and the weighted sum in float32; one task
+   per (sequence, KV head). */
 void edged_attn_decode(const float *q, const void *kc, const void *vc, const float *ks, const float *vs,
-                       int int8, const int32_t *tables, int64_t width, const int32_t *lens, int64_t B,
-                       int64_t Hq, int64_t Hkv, int64_t D, int64_t S, float scale, float *out, int nthreads)
+                       int int8, int64_t NK, int64_t NV, const int32_t *tables, int64_t width, const int32_t *lens,
+                       int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t S, float scale, float *out,
+                       int nthreads)
 {
-    const int64_t G = Hq / Hkv;
+    const int64_t G = Hq / Hkv, GK = D / NK, GV = D / NV;
     #pragma omp parallel for collapse(2) num_threads(nthreads) schedule(dynamic, 1)
     for (int64_t b = 0; b < B; b++)
         for (int64_t h = 0; h < Hkv; h++) {
@@ -383,12 +417,16 @@ void edged_attn_decode(const float *q, const void *kc, const void *vc, const flo
                 for (int64_t g = 0; g < G; g++) {
                     vf acc = vzero();
                     if (int8)
-                        for (int64_t d = 0; d < D; d += 16)
-                            acc = vfma(vloadf(qb + g * D + d), s8x16((const int8_t *)kc + row * D + d), acc);
+                        for (int64_t c = 0; c < NK; c++) { /* each group's dot product times its scale */
+                            vf part = vzero();
+                            for (int64_t d = c * GK; d < (c + 1) * GK; d += 16)
+                                part = vfma(vloadf(qb + g * D + d), s8x16((const int8_t *)kc + row * D + d), part);
+                            acc = vfma(part, vset1(ks[row * NK + c]), acc);
+                        }
                     else
                         for (int64_t d = 0; d < D; d += 16)
                             acc = vfma(vloadf(qb + g * D + d), vloadf((const float *)kc + row * D + d), acc);
-                    sc[g * L + t] = vsum(acc) * scale * (int8 ? ks[row] : 1.0f);
+                    sc[g * L + t] = vsum(acc) * scale;
                 }
             }
             for (int64_t g = 0; g < G; g++) {
@@ -410,8 +448,11 @@ void edged_attn_decode(const float *q, const void *kc, const void *vc, const flo
                 for (int64_t t2 = 0; t2 < L; t2++) {
                     const int64_t row = ((int64_t)tables[b * width + t2 / S] * S + t2 % S) * Hkv + h;
                     if (int8) {
-                        vf p = vset1(s[t2] * vs[row]);
-                        for (int64_t d = 0; d < D / 16; d++) acc[d] = vfma(p, s8x16((const int8_t *)vc + row * D + d * 16), acc[d]);
+                        for (int64_t c = 0; c < NV; c++) {
+                            vf p = vset1(s[t2] * vs[row * NV + c]);
+                            for (int64_t d = c * GV / 16; d < (c + 1) * GV / 16; d++)
+                                acc[d] = vfma(p, s8x16((const int8_t *)vc + row * D + d * 16), acc[d]);
+                        }
                     } else {
                         vf p = vset1(s[t2]);
                         for (int64_t d = 0; d < D / 16; d++) acc[d] = vfma(p, vloadf((const float *)vc + row * D + d * 16), acc[d]);
@@ -471,18 +512,18 @@ def _compile() -> ctypes.CDLL:
     i64, ptr, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     lib.edged_w4_gemm.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, ptr, cint]
     lib.edged_w4_gemm.restype = None
-    lib.edged_w8_gemm.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, cint]
+    lib.edged_w8_gemm.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, ptr, cint]
     lib.edged_w8_gemm.restype = None
     lib.edged_w4_dequant_t.argtypes = [ptr, ptr, i64, i64, i64, ptr, cint]
     lib.edged_w4_dequant_t.restype = None
-    lib.edged_w8_dequant_t.argtypes = [ptr, ptr, i64, i64, ptr, cint]
+    lib.edged_w8_dequant_t.argtypes = [ptr, ptr, i64, i64, i64, ptr, cint]
     lib.edged_w8_dequant_t.restype = None
     lib.edged_rms_norm.argtypes = [ptr, ptr, ptr, ctypes.c_float, ptr, ptr, i64, i64]
     lib.edged_rope.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64]
     lib.edged_silu_mul.argtypes = [ptr, ptr, i64, i64]
     lib.edged_write_kv.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64]
-    lib.edged_attn_decode.argtypes = [ptr, ptr, ptr, ptr, ptr, cint, ptr, i64, ptr, i64, i64, i64, i64, i64,
-                                      ctypes.c_float, ptr, cint]
+    lib.edged_attn_decode.argtypes = [ptr, ptr, ptr, ptr, ptr, cint, i64, i64, ptr, i64, ptr, i64, i64, i64, i64,
+                                      i64, ctypes.c_float, ptr, cint]
     for f in (lib.edged_rms_norm, lib.edged_rope, lib.edged_silu_mul, lib.edged_write_kv, lib.edged_attn_decode):
         f.restype = None
     return lib
@@ -499,7 +540,7 @@ def library() -> ctypes.CDLL | None:
                 _lib = _compile()
             except (OSError, subprocess.CalledProcessError) as e:
                 detail = getattr(e, "stderr", "") or str(e)
-                log.warning("CPU float32 int4/int8 kernels unavailable, using torch's bfloat16 ones: %s",
+                log.warning("CPU float32 int4/int8 kernels unavailable, using torch fallbacks: %s",
                             detail.strip()[:500])
                 _lib = None
             _tried = True
@@ -527,26 +568,30 @@ def pack_w4(data: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, grou
     float16 [Np/16, G, 2, 16]), Np = out_features padded to TASK_ROWS with zero rows."""
     n, half = data.shape
     np_ = _padded_rows(n)
-    groups = scale.shape[1]
     q = torch.zeros(np_, half, dtype=torch.uint8)
     q[:n] = data  # byte j holds columns 2j (low nibble) and 2j+1 (high nibble): the pair layout already
     packed = q.view(np_ // ROWS, ROWS, half).transpose(1, 2).contiguous()
+    return packed, _pack_group_params(scale, minimum, np_)
+
+
+def _pack_group_params(scale: torch.Tensor, minimum: torch.Tensor, np_: int) -> torch.Tensor:
+    """Per-group scales and minimums [n, G] as float16 [Np/16, G, 2, 16]: per block of 16 rows and group,
+    the rows' scales then their minimums (zero for the padding rows)."""
+    n, groups = scale.shape
     sm = torch.zeros(np_, groups, 2, dtype=torch.float16)
     sm[:n, :, 0] = scale.to(torch.float16)
     sm[:n, :, 1] = minimum.to(torch.float16)
-    sm = sm.view(np_ // ROWS, ROWS, groups, 2).permute(0, 2, 3, 1).contiguous()
-    return packed, sm
+    return sm.view(np_ // ROWS, ROWS, groups, 2).permute(0, 2, 3, 1).contiguous()
 
 
-def pack_w8(data: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A w8 LinearWeight's (data, scale) in the kernel layout: (int8 [Np/16, K, 16], float32 [Np])."""
+def pack_w8(data: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A w8 LinearWeight's (data, scale, minimum) in the kernel layout: (uint8 [Np/16, K, 16],
+    float16 [Np/16, G, 2, 16]), Np = out_features padded to TASK_ROWS with zero rows."""
     n, k = data.shape
     np_ = _padded_rows(n)
-    q = torch.zeros(np_, k, dtype=torch.int8)
+    q = torch.zeros(np_, k, dtype=torch.uint8)
     q[:n] = data
-    s = torch.zeros(np_, dtype=torch.float32)
-    s[:n] = scale.to(torch.float32)
-    return q.view(np_ // ROWS, ROWS, k).transpose(1, 2).contiguous(), s
+    return q.view(np_ // ROWS, ROWS, k).transpose(1, 2).contiguous(), _pack_group_params(scale, minimum, np_)
 
 
 def w4_gemm(x: torch.Tensor, packed: torch.Tensor, sm: torch.Tensor, n: int, group_size: int) -> torch.Tensor:
@@ -559,12 +604,12 @@ def w4_gemm(x: torch.Tensor, packed: torch.Tensor, sm: torch.Tensor, n: int, gro
     return y if np_ == n else y[:, :n]
 
 
-def w8_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, n: int) -> torch.Tensor:
+def w8_gemm(x: torch.Tensor, packed: torch.Tensor, sm: torch.Tensor, n: int, group_size: int) -> torch.Tensor:
     """x [M, K] float32 contiguous -> [M, n] float32."""
     m, k = x.shape
     np_ = packed.shape[0] * ROWS
     y = torch.empty(m, np_, dtype=torch.float32)
-    _lib.edged_w8_gemm(x.data_ptr(), m, k, packed.data_ptr(), scale.data_ptr(), np_, y.data_ptr(),
+    _lib.edged_w8_gemm(x.data_ptr(), m, k, packed.data_ptr(), sm.data_ptr(), np_, group_size, y.data_ptr(),
                        _threads(m * k * np_))
     return y if np_ == n else y[:, :n]
 
@@ -580,12 +625,14 @@ def w4_dequant_t(packed: torch.Tensor, sm: torch.Tensor, group_size: int, out: t
     return out
 
 
-def w8_dequant_t(packed: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def w8_dequant_t(packed: torch.Tensor, sm: torch.Tensor, group_size: int, out: torch.Tensor | None = None
+                 ) -> torch.Tensor:
     """The packed w8 weight as float32 [K, Np] (transposed, padded rows included), into out if given."""
     blocks, k, _ = packed.shape
     np_ = blocks * ROWS
     out = torch.empty(k, np_, dtype=torch.float32) if out is None else out
-    _lib.edged_w8_dequant_t(packed.data_ptr(), scale.data_ptr(), np_, k, out.data_ptr(), torch.get_num_threads())
+    _lib.edged_w8_dequant_t(packed.data_ptr(), sm.data_ptr(), np_, k, group_size, out.data_ptr(),
+                            torch.get_num_threads())
     return out
 
 
@@ -629,8 +676,9 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     _, s, hkv, _ = k_cache.shape
     out = torch.empty_like(q)
     int8 = k_scale is not None
+    k_groups, v_groups = (k_scale.shape[-1], v_scale.shape[-1]) if int8 else (1, 1)  # [blocks, S, Hkv, groups]
     _lib.edged_attn_decode(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                            k_scale.data_ptr() if int8 else None, v_scale.data_ptr() if int8 else None, int(int8),
-                           block_tables.data_ptr(), block_tables.shape[1], context_lens.data_ptr(), b, hq, hkv, d, s,
-                           scale, out.data_ptr(), _threads(b * hkv * d * block_tables.shape[1] * s // 8))
+                           k_groups, v_groups, block_tables.data_ptr(), block_tables.shape[1], context_lens.data_ptr(),
+                           b, hq, hkv, d, s, scale, out.data_ptr(), _threads(b * hkv * d * block_tables.shape[1] * s // 8))
     return out

@@ -1,7 +1,9 @@
 """Attention over the paged KV cache on the GPU: flash-decoding for decode, causal flash attention for
 prefill. Both read K/V token by token through the block table (any block size), optionally from an
-int8 cache with one scale per token and head (applied to the scores and to the probabilities, so the
-int8 values go into tl.dot unchanged).
+int8 cache with one float32 scale per token, kv head and group of channels (kernels/reference.py: 32
+channels for keys, the whole head for values): a tile is dequantized in float32 registers and rounded
+to the activation dtype right before tl.dot, like a dequantized weight tile (a key scale varies along
+head_dim, so it cannot be applied to the dot's result).
 
 Softmax runs in base 2: scores are multiplied by scale * log2(e) once.
 """
@@ -14,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_convert import i8_to
+from .triton_convert import i8_to_f32
 
 _LOG2E = 1.4426950408889634
 
@@ -27,51 +29,47 @@ def _kv_offsets(bt_row_ptr, t, tmask, block_size, stride_n, stride_s):
 
 
 @triton.jit
-def _as_operand(x, dtype: tl.constexpr, INT8: tl.constexpr):
-    if INT8:
-        return i8_to(x, dtype)
-    else:
-        return x.to(dtype)
-
-
-@triton.jit
-def _tile_scores(q, k_ptr, v_ptr, bt_row, t, tmask, d, dmask, block_size, kvh, ks_ptr,
+def _tile_scores(q, k_ptr, v_ptr, bt_row, t, tmask, d, dmask, block_size, kvh, ks_ptr, vs_ptr, k_group, v_group,
                  stride_kn, stride_ks, stride_kh, stride_vn, stride_vs, stride_vh,
-                 stride_sn, stride_ss, stride_sh, INT8: tl.constexpr):
-    """Load the K/V tile of cached tokens t for one kv head; return (q.K^T, V, the int8 scale offsets)."""
+                 stride_ksn, stride_kss, stride_ksh, stride_ksg, stride_vsn, stride_vss, stride_vsh, stride_vsg,
+                 INT8: tl.constexpr):
+    """Load the K/V tile of cached tokens t for one kv head; return (q.K^T, V as a dot operand).
+    int8: channel d of a token's key takes scale d // k_group of its (token, kv head), of its value
+    scale d // v_group."""
     k_off = _kv_offsets(bt_row, t, tmask, block_size, stride_kn, stride_ks) + kvh * stride_kh
     v_off = _kv_offsets(bt_row, t, tmask, block_size, stride_vn, stride_vs) + kvh * stride_vh
     kv_mask = tmask[:, None] & dmask[None, :]
     k = tl.load(k_ptr + k_off[:, None] + d[None, :], mask=kv_mask, other=0)
     v = tl.load(v_ptr + v_off[:, None] + d[None, :], mask=kv_mask, other=0)
-    s = tl.dot(q, tl.trans(_as_operand(k, q.dtype, INT8)))
     if INT8:
-        s_off = _kv_offsets(bt_row, t, tmask, block_size, stride_sn, stride_ss) + kvh * stride_sh
-        s = s * tl.load(ks_ptr + s_off, mask=tmask, other=0.0)[None, :]
-    else:
-        s_off = k_off  # no scales to read
-    return s, v, s_off
+        ks_off = _kv_offsets(bt_row, t, tmask, block_size, stride_ksn, stride_kss) + kvh * stride_ksh
+        vs_off = _kv_offsets(bt_row, t, tmask, block_size, stride_vsn, stride_vss) + kvh * stride_vsh
+        ks = tl.load(ks_ptr + ks_off[:, None] + (d // k_group)[None, :] * stride_ksg, mask=kv_mask, other=0.0)
+        vs = tl.load(vs_ptr + vs_off[:, None] + (d // v_group)[None, :] * stride_vsg, mask=kv_mask, other=0.0)
+        k = i8_to_f32(k) * ks
+        v = i8_to_f32(v) * vs
+    s = tl.dot(q, tl.trans(k.to(q.dtype)))
+    return s, v.to(q.dtype)
 
 
 @triton.jit
-def _softmax_step(q, s, v, m_i, l_i, acc, vs_ptr, s_off, tmask, INT8: tl.constexpr):
+def _softmax_step(q, s, v, m_i, l_i, acc):
     """One online-softmax update (base 2) of the running max, sum and output with a tile's scores."""
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None]
-    if INT8:
-        p = p * tl.load(vs_ptr + s_off, mask=tmask, other=0.0)[None, :]
-    acc += tl.dot(p.to(q.dtype), _as_operand(v, q.dtype, INT8))
+    acc += tl.dot(p.to(q.dtype), v)
     return m_new, l_i, acc
 
 
 @triton.jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, out_ptr, po_ptr, plse_ptr,
-                   qk_scale, block_size, num_splits, num_heads, group, head_dim,
+                   qk_scale, block_size, num_splits, num_heads, group, head_dim, k_group, v_group,
                    stride_qb, stride_qh, stride_kn, stride_ks, stride_kh, stride_vn, stride_vs, stride_vh,
-                   stride_sn, stride_ss, stride_sh, stride_bt, stride_ob, stride_oh,
+                   stride_ksn, stride_kss, stride_ksh, stride_ksg, stride_vsn, stride_vss, stride_vsh, stride_vsg,
+                   stride_bt, stride_ob, stride_oh,
                    INT8: tl.constexpr, SPLIT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_T: tl.constexpr):
     """Program (sequence, kv head, split): all q heads of the kv head over one slice of the context."""
@@ -97,11 +95,12 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, out_pt
     for t0 in range(lo, hi, BLOCK_T):
         t = t0 + tl.arange(0, BLOCK_T)
         tmask = t < hi
-        s, v, s_off = _tile_scores(q, k_ptr, v_ptr, bt_row, t, tmask, d, dmask, block_size, kvh, ks_ptr,
-                                   stride_kn, stride_ks, stride_kh, stride_vn, stride_vs, stride_vh,
-                                   stride_sn, stride_ss, stride_sh, INT8)
+        s, v = _tile_scores(q, k_ptr, v_ptr, bt_row, t, tmask, d, dmask, block_size, kvh, ks_ptr, vs_ptr,
+                            k_group, v_group, stride_kn, stride_ks, stride_kh, stride_vn, stride_vs, stride_vh,
+                            stride_ksn, stride_kss, stride_ksh, stride_ksg, stride_vsn, stride_vss, stride_vsh,
+                            stride_vsg, INT8)
         s = tl.where(tmask[None, :], s * qk_scale, float("-inf"))
-        m_i, l_i, acc = _softmax_step(q, s, v, m_i, l_i, acc, vs_ptr, s_off, tmask, INT8)
+        m_i, l_i, acc = _softmax_step(q, s, v, m_i, l_i, acc)
     o_mask = gmask[:, None] & dmask[None, :]
     if SPLIT:
         # normalized partial output and its log2-sum-exp; an empty split leaves lse = -inf
@@ -137,9 +136,10 @@ def _decode_reduce_kernel(po_ptr, plse_ptr, out_ptr, num_heads, num_splits, head
 
 @triton.jit
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, cu_ptr, lens_ptr, out_ptr,
-                    qk_scale, block_size, num_seqs, group, head_dim,
+                    qk_scale, block_size, num_seqs, group, head_dim, k_group, v_group,
                     stride_qt, stride_qh, stride_kn, stride_ks, stride_kh, stride_vn, stride_vs, stride_vh,
-                    stride_sn, stride_ss, stride_sh, stride_bt, stride_ot, stride_oh,
+                    stride_ksn, stride_kss, stride_ksh, stride_ksg, stride_vsn, stride_vss, stride_vsh, stride_vsg,
+                    stride_bt, stride_ot, stride_oh,
                     INT8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """Program (query tile, q head). Query tiles are numbered over all sequences in order; the grid
     has an upper bound of them (no host sync on cu_seqlens), surplus programs exit."""
@@ -176,20 +176,25 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, cu_ptr, lens_pt
         for t0 in range(0, end, BLOCK_N):
             t = t0 + tl.arange(0, BLOCK_N)
             tmask = t < end
-            s, v, s_off = _tile_scores(q, k_ptr, v_ptr, bt_row, t, tmask, d, dmask, block_size, kvh, ks_ptr,
-                                       stride_kn, stride_ks, stride_kh, stride_vn, stride_vs, stride_vh,
-                                       stride_sn, stride_ss, stride_sh, INT8)
+            s, v = _tile_scores(q, k_ptr, v_ptr, bt_row, t, tmask, d, dmask, block_size, kvh, ks_ptr, vs_ptr,
+                                k_group, v_group, stride_kn, stride_ks, stride_kh, stride_vn, stride_vs, stride_vh,
+                                stride_ksn, stride_kss, stride_ksh, stride_ksg, stride_vsn, stride_vss, stride_vsh,
+                                stride_vsg, INT8)
             # key 0 is visible to every row (padding rows included), so m_i is finite after step one
             visible = (t[None, :] <= pos[:, None]) & tmask[None, :]
             s = tl.where(visible, s * qk_scale, float("-inf"))
-            m_i, l_i, acc = _softmax_step(q, s, v, m_i, l_i, acc, vs_ptr, s_off, tmask, INT8)
+            m_i, l_i, acc = _softmax_step(q, s, v, m_i, l_i, acc)
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + rows[:, None] * stride_ot + h * stride_oh + d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=imask[:, None] & dmask[None, :])
 
 
-def _strides(scale: torch.Tensor | None) -> tuple[int, int, int]:
-    return scale.stride() if scale is not None else (0, 0, 0)
+def _scale_layout(k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, head_dim: int) -> tuple[int, ...]:
+    """(channels per key scale, per value scale, then each scale tensor's 4 strides) of an int8 cache's
+    [N, S, Hkv, G] scales; (head_dim, head_dim, zeros) for a float cache."""
+    if k_scale is None:
+        return (head_dim, head_dim) + (0,) * 8
+    return (head_dim // k_scale.shape[-1], head_dim // v_scale.shape[-1], *k_scale.stride(), *v_scale.stride())
 
 
 @lru_cache(maxsize=None)
@@ -231,11 +236,11 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         plse = torch.empty(batch, n_heads, num_splits, dtype=torch.float32, device=q.device)
     else:
         po = plse = out
-    ss = _strides(k_scale)
+    k_group, v_group, *ss = _scale_layout(k_scale, v_scale, head_dim)
     _decode_kernel[(batch, n_kv, num_splits)](
         q, k_cache, v_cache, k_scale if k_scale is not None else k_cache,
         v_scale if v_scale is not None else v_cache, block_tables, context_lens, out, po, plse,
-        scale * _LOG2E, k_cache.shape[1], num_splits, n_heads, group, head_dim,
+        scale * _LOG2E, k_cache.shape[1], num_splits, n_heads, group, head_dim, k_group, v_group,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], *ss,
         block_tables.stride(0), out.stride(0), out.stride(1),
         INT8=k_scale is not None, SPLIT=split, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
@@ -266,12 +271,12 @@ def attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     if block_m is None:
         block_m = (128 if head_dim <= 64 else 64) if on_gpu else 16
     block_n = (64 if head_dim <= 128 else 32) if on_gpu else 16
-    ss = _strides(k_scale)
+    k_group, v_group, *ss = _scale_layout(k_scale, v_scale, head_dim)
     tiles = math.ceil(tokens / block_m) + num_seqs
     _prefill_kernel[(tiles, n_heads)](
         q, k_cache, v_cache, k_scale if k_scale is not None else k_cache,
         v_scale if v_scale is not None else v_cache, block_tables, cu_seqlens_q, context_lens, out,
-        scale * _LOG2E, k_cache.shape[1], num_seqs, n_heads // n_kv, head_dim,
+        scale * _LOG2E, k_cache.shape[1], num_seqs, n_heads // n_kv, head_dim, k_group, v_group,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], *ss,
         block_tables.stride(0), out.stride(0), out.stride(1),
         INT8=k_scale is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,

@@ -21,12 +21,3 @@ def small_uint_to_f32(q):
     """int32 in [0, 2**23) -> float32 (the w4 nibbles)."""
     return (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
 
-
-@triton.jit
-def i8_to(q, dtype: tl.constexpr):
-    """int8 -> dtype (the operand type of a tl.dot); float16 uses 1024 + (byte ^ 0x80) - 1152."""
-    if dtype == tl.float16:
-        bits = (q.to(tl.int16) & 0xFF) ^ 0x6480
-        return bits.to(tl.float16, bitcast=True) - 1152.0
-    else:
-        return q.to(dtype)

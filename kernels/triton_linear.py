@@ -4,8 +4,12 @@ Paths, by the number of rows M of x:
 - M == 1 (decode of one sequence): a GEMV; each program streams up to 4 weight rows against one x
   tile, optionally split over K (partials in float32, summed by a small reduce kernel:
   deterministic, no atomics). This is the memory-bound path that must run at DRAM bandwidth.
+  w8 and w4 weights are dequantized in float32 registers (q * scale + minimum of the group).
 - M > 1, w8 / w4: a tiled tl.dot kernel with dequantization in the loop, split over K while the
   output tiles alone cannot fill the GPU (decode batches). Dense weights from M = 2 on go to cuBLAS.
+  Both dequantize their weight tile in float32 (q * scale + minimum per group) and round it to the
+  activation dtype for the dot; a w8 row that is one group (in_features not a multiple of 32) dots
+  the raw q (exact in any dtype) and applies scale * dot + minimum * sum(x) after the K loop.
 
 w4 columns are never interleaved in registers: byte j of a row holds columns 2j (low nibble) and
 2j+1 (high nibble), so the kernels multiply the low nibbles with x[0::2] and the high ones with
@@ -20,7 +24,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .triton_convert import i8_to, i8_to_f32, small_uint_to_f32
+from .triton_convert import small_uint_to_f32
 from .weights import LinearWeight
 
 _FORMATS = {"dense": 0, "w8": 1, "w4": 2}
@@ -37,12 +41,9 @@ def _rows_result(y0, y1, y2, y3):
 
 
 @triton.jit
-def _gemv_store(y, n, N, pid_k, scale_ptr, bias_ptr, out_ptr, part_ptr,
-                W8: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
+def _gemv_store(y, n, N, pid_k, bias_ptr, out_ptr, part_ptr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
     mask = n < N
     n_ld = tl.minimum(n, N - 1)
-    if W8:
-        y = y * tl.load(scale_ptr + n_ld).to(tl.float32)
     if SPLIT:
         tl.store(part_ptr + pid_k * N + n, y, mask=mask)
     else:
@@ -52,36 +53,52 @@ def _gemv_store(y, n, N, pid_k, scale_ptr, bias_ptr, out_ptr, part_ptr,
 
 
 @triton.jit
-def _dot_row(acc, row_ptr, k, xv, km, FORMAT: tl.constexpr, EVEN_K: tl.constexpr):
+def _dot_row(acc, row_ptr, s_row_ptr, m_row_ptr, k, grp, xv, km, cm, FORMAT: tl.constexpr, EVEN_K: tl.constexpr):
+    """acc [chunks, VEC] += w * x, w = q * scale + minimum in float32 for w8 (one scale and minimum per
+    chunk: its group's)."""
     if EVEN_K:
         wv = tl.load(row_ptr + k, eviction_policy="evict_first")
     else:
         wv = tl.load(row_ptr + k, mask=km, other=0, eviction_policy="evict_first")
     if FORMAT == 1:
-        wf = i8_to_f32(wv)
+        if EVEN_K:
+            s = tl.load(s_row_ptr + grp).to(tl.float32)
+            mn = tl.load(m_row_ptr + grp).to(tl.float32)
+        else:
+            s = tl.load(s_row_ptr + grp, mask=cm, other=0.0).to(tl.float32)
+            mn = tl.load(m_row_ptr + grp, mask=cm, other=0.0).to(tl.float32)
+        wf = small_uint_to_f32(wv.to(tl.int32)) * s[:, None] + mn[:, None]
     else:
         wf = wv.to(tl.float32)
     return acc + wf * xv
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, part_ptr, N, K, k_per_split, stride_wn,
-                 FORMAT: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
-                 ROWS: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr):
+def _gemv_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr, N, K, k_per_split, stride_wn,
+                 stride_sn, FORMAT: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+                 EVEN_K: tl.constexpr, GROUP_SIZE: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
+                 VEC: tl.constexpr):
     """One row of x against ROWS (1, 2 or 4) rows of dense or w8 weights; program (row block, k split).
     Each step loads one [BLOCK_K // VEC, VEC] tile of x (a thread owns VEC consecutive columns, one
     16-byte weight load) and uses it for every weight row: x is read and converted once per ROWS
     rows, all tiles share one layout (no shuffles), and each thread keeps ROWS independent loads in
-    flight. Accumulation is elementwise; the reduction happens once at the end."""
+    flight. Accumulation is elementwise; the reduction happens once at the end. A w8 chunk of VEC
+    columns lies inside one group (GROUP_SIZE is a multiple of VEC, or the whole row): one scale and
+    one minimum per chunk and row."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     n0 = pid_n * ROWS
     # rows past N are clamped to N - 1 (valid loads) and masked at the store
-    r0 = w_ptr + tl.minimum(n0, N - 1).to(tl.int64) * stride_wn
-    r1 = w_ptr + tl.minimum(n0 + 1, N - 1).to(tl.int64) * stride_wn
-    r2 = w_ptr + tl.minimum(n0 + 2, N - 1).to(tl.int64) * stride_wn
-    r3 = w_ptr + tl.minimum(n0 + 3, N - 1).to(tl.int64) * stride_wn
-    col = tl.arange(0, BLOCK_K // VEC)[:, None] * VEC + tl.arange(0, VEC)[None, :]
+    i0 = tl.minimum(n0, N - 1).to(tl.int64)
+    i1 = tl.minimum(n0 + 1, N - 1).to(tl.int64)
+    i2 = tl.minimum(n0 + 2, N - 1).to(tl.int64)
+    i3 = tl.minimum(n0 + 3, N - 1).to(tl.int64)
+    r0 = w_ptr + i0 * stride_wn
+    r1 = w_ptr + i1 * stride_wn
+    r2 = w_ptr + i2 * stride_wn
+    r3 = w_ptr + i3 * stride_wn
+    chunk = tl.arange(0, BLOCK_K // VEC) * VEC
+    col = chunk[:, None] + tl.arange(0, VEC)[None, :]
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
     a0 = tl.zeros([BLOCK_K // VEC, VEC], dtype=tl.float32)
@@ -91,21 +108,26 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, part_ptr, N, K, k_p
     for k0 in range(k_lo, k_hi, BLOCK_K):
         k = k0 + col
         km = k < k_hi
+        grp = (k0 + chunk) // GROUP_SIZE
+        cm = k0 + chunk < k_hi
         if EVEN_K:
             xv = tl.load(x_ptr + k).to(tl.float32)
         else:
             xv = tl.load(x_ptr + k, mask=km, other=0.0).to(tl.float32)
-        a0 = _dot_row(a0, r0, k, xv, km, FORMAT, EVEN_K)
+        a0 = _dot_row(a0, r0, scale_ptr + i0 * stride_sn, min_ptr + i0 * stride_sn, k, grp, xv, km, cm,
+                      FORMAT, EVEN_K)
         if ROWS > 1:
-            a1 = _dot_row(a1, r1, k, xv, km, FORMAT, EVEN_K)
+            a1 = _dot_row(a1, r1, scale_ptr + i1 * stride_sn, min_ptr + i1 * stride_sn, k, grp, xv, km, cm,
+                          FORMAT, EVEN_K)
         if ROWS > 2:
-            a2 = _dot_row(a2, r2, k, xv, km, FORMAT, EVEN_K)
-            a3 = _dot_row(a3, r3, k, xv, km, FORMAT, EVEN_K)
+            a2 = _dot_row(a2, r2, scale_ptr + i2 * stride_sn, min_ptr + i2 * stride_sn, k, grp, xv, km, cm,
+                          FORMAT, EVEN_K)
+            a3 = _dot_row(a3, r3, scale_ptr + i3 * stride_sn, min_ptr + i3 * stride_sn, k, grp, xv, km, cm,
+                          FORMAT, EVEN_K)
     y = _rows_result(tl.sum(tl.sum(a0, axis=1), axis=0), tl.sum(tl.sum(a1, axis=1), axis=0),
                      tl.sum(tl.sum(a2, axis=1), axis=0), tl.sum(tl.sum(a3, axis=1), axis=0))
     n = n0 + tl.arange(0, 4)
-    _gemv_store(y, tl.where(tl.arange(0, 4) < ROWS, n, N), N, pid_k, scale_ptr, bias_ptr, out_ptr, part_ptr,
-                FORMAT == 1, HAS_BIAS, SPLIT)
+    _gemv_store(y, tl.where(tl.arange(0, 4) < ROWS, n, N), N, pid_k, bias_ptr, out_ptr, part_ptr, HAS_BIAS, SPLIT)
 
 
 @triton.jit
@@ -191,18 +213,29 @@ def _gemv_w4_kernel(xw_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_p
     y = _rows_result(tl.sum(tl.sum(a0, axis=1), axis=0), tl.sum(tl.sum(a1, axis=1), axis=0),
                      tl.sum(tl.sum(a2, axis=1), axis=0), tl.sum(tl.sum(a3, axis=1), axis=0))
     n = n0 + tl.arange(0, 4)
-    _gemv_store(y, tl.where(tl.arange(0, 4) < ROWS, n, N), N, pid_k, scale_ptr, bias_ptr, out_ptr, part_ptr,
-                False, HAS_BIAS, SPLIT)
+    _gemv_store(y, tl.where(tl.arange(0, 4) < ROWS, n, N), N, pid_k, bias_ptr, out_ptr, part_ptr, HAS_BIAS, SPLIT)
+
+
+@triton.jit
+def _u8_to(q, dtype: tl.constexpr):
+    """uint8 -> dtype, exact (0..255 fit every dot operand type), without the integer-to-float unit:
+    float16 as 1024 + q - 1024, the others through small_uint_to_f32."""
+    if dtype == tl.float16:
+        return ((q.to(tl.int16) & 0xFF) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
+    else:
+        return small_uint_to_f32(q.to(tl.int32)).to(dtype)
 
 
 @triton.jit
 def _matmul_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr, M, N, K, k_per_split,
                    stride_xm, stride_wn, stride_sn, stride_om,
                    FORMAT: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
-                   GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                   GROUP_SIZE: tl.constexpr, ROW_GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """x [M, K] @ W^T with W dequantized per tile to x's dtype; program (output tile, k split).
-    For w4 each group is two dots: its low nibbles with x's even columns, high nibbles with odd."""
+    For w4 each group is two dots: its low nibbles with x's even columns, high nibbles with odd.
+    w8: GROUP_SIZE divides BLOCK_K, or (ROW_GROUP) the row is one group, whose scale and minimum are
+    applied to the float32 dot of the raw q once at the end."""
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     # grouped tile order: neighbouring programs share weight tiles in L2
@@ -256,7 +289,34 @@ def _matmul_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr
             hi = tl.reshape((small_uint_to_f32(bi >> 4) * s3 + m3).to(dt), (BLOCK_N, BLOCK_K // 2))
             acc += tl.dot(xe, tl.trans(lo))
             acc += tl.dot(xo, tl.trans(hi))
+    elif FORMAT == 1 and not ROW_GROUP:
+        # as w4: [BLOCK_N, BLOCK_K // GROUP_SIZE, GROUP_SIZE]-byte tiles dequantized in float32 (one
+        # scale and minimum per group), rounded to x's dtype for one dot
+        gi = tl.arange(0, BLOCK_K // GROUP_SIZE)
+        v = tl.arange(0, GROUP_SIZE)
+        kx = tl.arange(0, BLOCK_K)
+        w_rows = w_ptr + rn64[:, None, None] * stride_wn
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            start = k0 + gi * GROUP_SIZE
+            byte = (start[:, None] + v[None, :])[None, :, :]
+            grp = (start // GROUP_SIZE)[None, :]
+            s_ptrs = scale_ptr + rn64[:, None] * stride_sn + grp
+            m_ptrs = min_ptr + rn64[:, None] * stride_sn + grp
+            if EVEN_K:
+                xt = tl.load(x_rows + k0 + kx[None, :])
+                b = tl.load(w_rows + byte)
+                s = tl.load(s_ptrs).to(tl.float32)
+                mn = tl.load(m_ptrs).to(tl.float32)
+            else:
+                gm = (start < k_hi)[None, :]  # groups never straddle k_hi
+                xt = tl.load(x_rows + k0 + kx[None, :], mask=(k0 + kx[None, :]) < k_hi, other=0.0)
+                b = tl.load(w_rows + byte, mask=gm[:, :, None], other=0)
+                s = tl.load(s_ptrs, mask=gm, other=0.0).to(tl.float32)
+                mn = tl.load(m_ptrs, mask=gm, other=0.0).to(tl.float32)
+            wq = small_uint_to_f32(b.to(tl.int32)) * s[:, :, None] + mn[:, :, None]
+            acc += tl.dot(xt, tl.trans(tl.reshape(wq.to(dt), (BLOCK_N, BLOCK_K))))
     else:
+        xs = tl.zeros([BLOCK_M], dtype=tl.float32)
         for k0 in range(k_lo, k_hi, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             if EVEN_K:
@@ -267,12 +327,14 @@ def _matmul_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr
                 xv = tl.load(x_rows + k[None, :], mask=km[None, :], other=0.0)
                 wv = tl.load(w_cols + k[:, None], mask=km[:, None], other=0)
             if FORMAT == 1:
-                wt = i8_to(wv, dt)
+                acc += tl.dot(xv, _u8_to(wv, dt))
+                xs += tl.sum(xv.to(tl.float32), axis=1)
             else:
-                wt = wv.to(dt)
-            acc += tl.dot(xv, wt)
-    if FORMAT == 1:
-        acc = acc * tl.load(scale_ptr + rn64).to(tl.float32)[None, :]
+                acc += tl.dot(xv, wv.to(dt))
+        if FORMAT == 1:  # one group per row
+            s = tl.load(scale_ptr + rn64 * stride_sn).to(tl.float32)
+            mn = tl.load(min_ptr + rn64 * stride_sn).to(tl.float32)
+            acc = acc * s[None, :] + xs[:, None] * mn[None, :]
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     if SPLIT:
         tl.store(part_ptr + pid_k * M * N + rm[:, None] * N + rn[None, :], acc, mask=mask)
@@ -353,9 +415,11 @@ def choose_config(m: int, n: int, k: int, fmt: str, device: torch.device) -> Lin
         split = _pick_split(-(-m // block_m) * -(-n // 32), -(-k // 64), 2 * sms, 2)
         return LinearConfig("matmul", block_m, 32, 64, split, num_warps=4, num_stages=1)
     if m == 1:
-        # 4 weight rows a program, 1024 (w4: 2048) columns a step: the H200 sweep's best for w8 and
-        # dense at 4096x14336 and 14336x4096; split K only while the rows alone leave SMs idle
-        block_k = 2048 if fmt == "w4" else 1024
+        # 4 weight rows a program, 1024 (w4, w8: 2048) columns a step: the H200 sweep's best for the old
+        # per-row w8 and dense at 4096x14336 and 14336x4096; grouped w8 takes 2048 so that a thread owns
+        # 16 columns (one 16-byte load, one scale and minimum per 16 weights instead of per 8; not yet
+        # swept on the H200); split K only while the rows alone leave SMs idle
+        block_k = 2048 if fmt in ("w4", "w8") else 1024
         split = _pick_split(-(-n // 4), -(-k // block_k), 2 * sms, 2)
         return LinearConfig("gemv", 1, 4, block_k, split, num_warps=4, num_stages=1)
     if fmt == "dense":
@@ -403,8 +467,10 @@ def linear(x: torch.Tensor, w: LinearWeight, config: LinearConfig | None = None,
     if cfg.kind == "torch":
         return _torch_linear(x, w, out_dtype)
     fmt = _FORMATS[w.format]
-    if fmt == 2 and k % w.group_size:
+    if fmt and k % w.group_size:
         raise ValueError(f"in_features {k} is not a multiple of group_size {w.group_size}")
+    if fmt == 1 and w.group_size % 32 and w.group_size != k:
+        raise ValueError(f"w8 group_size {w.group_size} is neither a multiple of 32 nor the whole row")
     data = w.data if w.data.stride(-1) == 1 else w.data.contiguous()
     scale = w.scale if w.scale is not None else data
     minimum = w.minimum if w.minimum is not None else scale
@@ -428,6 +494,9 @@ def linear(x: torch.Tensor, w: LinearWeight, config: LinearConfig | None = None,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     else:
         block_k = max(cfg.block_k, 32)
+        row_group = fmt == 1 and w.group_size == k
+        if fmt == 1 and not row_group and block_k % w.group_size:
+            raise ValueError(f"block_k {block_k} is not a multiple of the w8 group_size {w.group_size}")
         per = -(-k // split)
         per = -(-per // block_k) * block_k
         split = -(-k // per)
@@ -435,18 +504,19 @@ def linear(x: torch.Tensor, w: LinearWeight, config: LinearConfig | None = None,
         even_k = k % block_k == 0
         if cfg.kind == "gemv":
             _gemv_kernel[(triton.cdiv(n, cfg.block_n), split)](
-                x2, data, scale, bias, out, part, n, k, per, data.stride(0),
-                FORMAT=fmt, HAS_BIAS=w.bias is not None, SPLIT=split > 1, EVEN_K=even_k,
-                ROWS=cfg.block_n, BLOCK_K=block_k, VEC=16 // data.element_size(),
+                x2, data, scale, minimum, bias, out, part, n, k, per, data.stride(0),
+                scale.stride(0) if fmt else 0, FORMAT=fmt, HAS_BIAS=w.bias is not None, SPLIT=split > 1,
+                EVEN_K=even_k, GROUP_SIZE=max(w.group_size, 1), ROWS=cfg.block_n, BLOCK_K=block_k,
+                VEC=16 // data.element_size(),
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         else:
             tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
             _matmul_kernel[(tiles, split)](
                 x2, data, scale, minimum, bias, out, part, m, n, k, per,
-                x2.stride(0), data.stride(0), scale.stride(0) if fmt == 2 else 0, out.stride(0),
+                x2.stride(0), data.stride(0), scale.stride(0) if fmt else 0, out.stride(0),
                 FORMAT=fmt, HAS_BIAS=w.bias is not None, SPLIT=split > 1, EVEN_K=even_k,
-                GROUP_SIZE=max(w.group_size, 1), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
-                GROUP_M=8, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                GROUP_SIZE=max(w.group_size, 1), ROW_GROUP=row_group, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                BLOCK_K=block_k, GROUP_M=8, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if split > 1:
         block = 1024
         _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](

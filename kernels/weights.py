@@ -1,8 +1,10 @@
-"""Runtime weight formats read by `linear`: dense, w8 (int8 per output channel), w4 (int4 groups).
+"""Runtime weight formats read by `linear`: dense, w8 (uint8 groups), w4 (uint4 groups).
 
+Both quantized formats are asymmetric groups along the input dimension, w = q * scale + minimum.
 Storage (the numerics policy is in kernels/__init__.py): dense data and bias in the activation dtype;
-w8 scales in float32; w4 scales and minimums in float16, GGUF Q4's own storage, so Q4_0/Q4_1 are held
-exactly (bfloat16 would drop 3 bits of a Q4_1 minimum, an error shared by the whole group).
+w8 and w4 scales and minimums in float16, GGUF's own storage, so Q8_0 and Q4_0/Q4_1 are held exactly
+(bfloat16 would drop 3 bits of a Q4_1 minimum, an error shared by the whole group). Requantizing a
+Q4_1 layer to w8 keeps it almost exactly: a group's (hi - lo) / 255 is its Q4_1 step / 17.
 """
 from __future__ import annotations
 
@@ -10,8 +12,15 @@ from dataclasses import dataclass
 
 import torch
 
-W8_SCALE_DTYPE = torch.float32
+W8_PARAM_DTYPE = torch.float16
 W4_PARAM_DTYPE = torch.float16
+W8_GROUP_SIZE = 32  # GGUF Q8_0's block
+
+
+def w8_group_size(in_features: int) -> int:
+    """W8_GROUP_SIZE, or one group per row where in_features is not a multiple of it (tiny test models):
+    every kernel then finds a group in whole 16-column chunks, or the row is one group."""
+    return W8_GROUP_SIZE if in_features % W8_GROUP_SIZE == 0 else in_features
 
 
 @dataclass
@@ -19,7 +28,9 @@ class LinearWeight:
     """One linear layer's weight in a runtime format.
 
     - ``dense``: ``data`` is ``[out, in]`` in the compute dtype.
-    - ``w8``: ``data`` is int8 ``[out, in]``; ``scale`` is ``[out]``; w = q * scale.
+    - ``w8``: ``data`` is uint8 ``[out, in]``, q in 0..255; ``scale`` and ``minimum`` are
+      ``[out, in // group_size]``; w = q * scale + minimum (GGUF Q8_0 exactly: q + 128, scale=d,
+      minimum=-128d). group_size is W8_GROUP_SIZE, or in_features (see `w8_group_size`).
     - ``w4``: ``data`` is uint8 ``[out, in // 2]``, column 2j in the low nibble and 2j+1 in the
       high nibble, q in 0..15; ``scale`` and ``minimum`` are ``[out, in // group_size]``;
       w = q * scale + minimum (GGUF Q4_1 exactly; Q4_0 is scale=d, minimum=-8d).
@@ -66,12 +77,13 @@ def dequantize(w: LinearWeight, dtype: torch.dtype = torch.float32) -> torch.Ten
     """The weight as a dense ``[out, in]`` tensor (the oracle for every linear kernel)."""
     if w.format == "dense":
         return w.data.to(dtype)
-    if w.format == "w8":
-        return (w.data.to(torch.float32) * w.scale.to(torch.float32)[:, None]).to(dtype)
-    if w.format == "w4":
-        low = (w.data & 0x0F).to(torch.float32)
-        high = (w.data >> 4).to(torch.float32)
-        q = torch.stack((low, high), dim=-1).reshape(w.data.shape[0], -1)
+    if w.format in ("w8", "w4"):
+        if w.format == "w8":
+            q = w.data.to(torch.float32)
+        else:
+            low = (w.data & 0x0F).to(torch.float32)
+            high = (w.data >> 4).to(torch.float32)
+            q = torch.stack((low, high), dim=-1).reshape(w.data.shape[0], -1)
         out, k = q.shape
         g = q.view(out, k // w.group_size, w.group_size)
         deq = g * w.scale.to(torch.float32)[..., None] + w.minimum.to(torch.float32)[..., None]
@@ -80,11 +92,23 @@ def dequantize(w: LinearWeight, dtype: torch.dtype = torch.float32) -> torch.Ten
 
 
 def quantize_w8(weight: torch.Tensor, bias: torch.Tensor | None = None) -> LinearWeight:
-    """Symmetric int8, one scale per output channel."""
-    w = weight.to(torch.float32)
-    scale = w.abs().amax(dim=1).clamp(min=1e-8) / 127.0
-    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
-    return LinearWeight("w8", q, scale.to(W8_SCALE_DTYPE), None, 0, bias)
+    """Asymmetric uint8 (scale + min per group of `w8_group_size(in)` columns), parameters in float16.
+
+    q is computed against the float16 scale and minimum, the values the kernels will use."""
+    out, k = weight.shape
+    gs = w8_group_size(k)
+    g = weight.to(torch.float32).view(out, k // gs, gs)
+    lo = _float16_at_most(g.amin(dim=-1))
+    scale = ((g.amax(dim=-1) - lo) / 255.0).clamp(min=1e-7).to(W8_PARAM_DTYPE).to(torch.float32)
+    q = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 255).to(torch.uint8).view(out, k)
+    return LinearWeight("w8", q, scale.to(W8_PARAM_DTYPE), lo.to(W8_PARAM_DTYPE), gs, bias)
+
+
+def _float16_at_most(x: torch.Tensor) -> torch.Tensor:
+    """x rounded to a float16 value <= x (a minimum rounded up would clip its group's lowest weights)."""
+    h = x.to(torch.float16)
+    h = torch.where(h.to(torch.float32) > x, torch.nextafter(h, torch.full_like(h, -float("inf"))), h)
+    return h.to(torch.float32)
 
 
 def quantize_w4(weight: torch.Tensor, group_size: int = 32, bias: torch.Tensor | None = None) -> LinearWeight:

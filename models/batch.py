@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 import torch
 
+from edged.kernels.reference import k_scale_groups, v_scale_groups
+
 
 @dataclass
 class AttentionMetadata:
@@ -23,7 +25,9 @@ class KVCache:
 
     k: list[torch.Tensor]
     v: list[torch.Tensor]
-    k_scale: list[torch.Tensor] | None = None  # int8 cache: [num_blocks, block_size, num_kv_heads]
+    # int8 cache: float32 [num_blocks, block_size, num_kv_heads, groups]: keys one scale per 32 channels of a
+    # head (k_scale_groups), values one per head (v_scale_groups); the layout in kernels/reference.py
+    k_scale: list[torch.Tensor] | None = None
     v_scale: list[torch.Tensor] | None = None
 
     @property
@@ -43,15 +47,15 @@ class KVCache:
         def pool() -> list[torch.Tensor]:
             return [torch.zeros(shape, dtype=store, device=device) for _ in range(num_layers)]
 
-        def scales() -> list[torch.Tensor] | None:
+        def scales(groups: int) -> list[torch.Tensor] | None:
             if not int8:
                 return None
-            return [torch.zeros(shape[:3], dtype=torch.float32, device=device) for _ in range(num_layers)]
+            return [torch.zeros((*shape[:3], groups), dtype=torch.float32, device=device) for _ in range(num_layers)]
 
-        return KVCache(pool(), pool(), scales(), scales())
+        return KVCache(pool(), pool(), scales(k_scale_groups(head_dim)), scales(v_scale_groups(head_dim)))
 
     def bytes_per_block(self) -> int:
         per = sum(t[0].numel() * t.element_size() for t in (self.k[0], self.v[0]))
         if self.k_scale is not None:
-            per += 2 * self.k_scale[0][0].numel() * 4
+            per += sum(t[0][0].numel() * t[0].element_size() for t in (self.k_scale, self.v_scale))
         return per * len(self.k)

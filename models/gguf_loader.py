@@ -1,8 +1,9 @@
 """Load a llama-family GGUF file: ModelConfig from metadata, HF-named tensors, tokenizer, chat template.
 
-Q4_0/Q4_1 tensors stay packed as `w4` LinearWeights (group 32, no requantization); every other type is
-dequantized to float32. llama.cpp's row permutation of attn_q/attn_k is undone, so every tensor here
-means exactly what the Hugging Face tensor of the same name means.
+Q4_0/Q4_1 tensors stay packed as `w4` and Q8_0 as `w8` LinearWeights (group 32, the same values, no
+requantization); every other type is dequantized to float32. llama.cpp's row permutation of
+attn_q/attn_k is undone, so every tensor here means exactly what the Hugging Face tensor of the same
+name means.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 from tokenizers import Tokenizer as Backend
 
 from edged.kernels import LinearWeight, pack_w4
+from edged.kernels.weights import W8_PARAM_DTYPE
 
 from .chat_template import ChatTemplate, pick_template
 from .config import ModelConfig, scaled_inv_freq
@@ -50,6 +52,7 @@ _LAYER_NAMES = {
 }
 _Q4_BLOCK_BYTES = {GGMLQuantizationType.Q4_0: 18, GGMLQuantizationType.Q4_1: 20}
 _Q4_GROUP = 32
+_Q8_0_GROUP, _Q8_0_BLOCK_BYTES = 32, 34  # float16 d, then 32 int8 q: w = q * d
 
 _REQUIRED = object()
 
@@ -178,10 +181,12 @@ def load_tensors(tensors: Iterable[ReaderTensor], config: ModelConfig, permute_q
 
 
 def read_tensor(t: ReaderTensor) -> torch.Tensor | LinearWeight:
-    """One tensor in HF orientation ([out, in] for matrices): w4 for Q4_0/Q4_1, float32 otherwise."""
+    """One tensor in HF orientation ([out, in] for matrices): w4 for Q4_0/Q4_1, w8 for Q8_0, float32 otherwise."""
     shape = [int(n) for n in reversed(t.shape)]  # GGUF lists ne0 (the contiguous dim) first
     if t.tensor_type in _Q4_BLOCK_BYTES and len(shape) == 2:
         return q4_to_w4(np.asarray(t.data), t.tensor_type, *shape)
+    if t.tensor_type == GGMLQuantizationType.Q8_0 and len(shape) == 2:
+        return q8_0_to_w8(np.asarray(t.data), *shape)
     try:
         values = gguf_dequantize(np.asarray(t.data), t.tensor_type)
     except NotImplementedError as e:
@@ -207,6 +212,15 @@ def q4_to_w4(raw: np.ndarray, qtype: GGMLQuantizationType, rows: int, cols: int)
         minimum, qs = -8.0 * scale, blocks[..., 2:]  # Q4_0: w = (q - 8) * d
     q = np.concatenate((qs & 0x0F, qs >> 4), axis=-1).reshape(rows, cols)
     return pack_w4(torch.from_numpy(q), torch.from_numpy(scale), torch.from_numpy(minimum), _Q4_GROUP)
+
+
+def q8_0_to_w8(raw: np.ndarray, rows: int, cols: int) -> LinearWeight:
+    """GGUF Q8_0 blocks as a w8 LinearWeight holding the same values: q + 128 in uint8, scale = d and
+    minimum = -128 d (exact in float16: a power-of-two multiple), so q * scale + minimum = q_gguf * d."""
+    blocks = raw.reshape(rows, cols // _Q8_0_GROUP, _Q8_0_BLOCK_BYTES)
+    d = torch.from_numpy(np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0].copy())
+    q = torch.from_numpy((np.ascontiguousarray(blocks[..., 2:]) ^ 0x80).reshape(rows, cols))  # int8 + 128
+    return LinearWeight("w8", q, d.to(W8_PARAM_DTYPE), (d * -128).to(W8_PARAM_DTYPE), _Q8_0_GROUP)
 
 
 def unpermute_rows(value: torch.Tensor | LinearWeight, n_head: int) -> torch.Tensor | LinearWeight:

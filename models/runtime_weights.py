@@ -1,7 +1,8 @@
 """Turn loaded, Hugging Face-named tensors into the model's runtime weights in one format.
 
 A loader yields ``{name: Tensor | LinearWeight}`` with HF names (``model.layers.0.self_attn.q_proj.weight``)
-where a GGUF Q4_0/Q4_1 tensor already is a ``w4`` LinearWeight; everything else is a float tensor.
+where a GGUF Q4_0/Q4_1 tensor already is a ``w4`` LinearWeight and a Q8_0 tensor a ``w8`` one; everything
+else is a float tensor.
 """
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ def to_runtime_linear(src: torch.Tensor | LinearWeight, bias: torch.Tensor | Non
     """One linear weight in the runtime format that `quant` asks for.
 
     auto keeps w4 sources as they are (GGUF Q4 is not requantized). Other sources stay dense on CUDA
-    and become w8 on the CPU, where the weight-only int8 kernel reads a quarter of float32's bytes.
+    and become w8 on the CPU, where the weight-only int8 kernel reads about a quarter of float32's bytes;
+    a w8 source (GGUF Q8_0) is kept as it is wherever the result is w8.
     """
     if quant not in QUANT_MODES:
         raise ValueError(f"quant must be one of {QUANT_MODES}, got {quant!r}")
@@ -34,8 +36,8 @@ def to_runtime_linear(src: torch.Tensor | LinearWeight, bias: torch.Tensor | Non
             quant = "w4"
         else:
             quant = "w8" if device.type == "cpu" else "none"
-    if quant == "w4" and is_packed and src.format == "w4":
-        w = LinearWeight("w4", src.data, src.scale, src.minimum, src.group_size, bias)
+    if is_packed and src.format == quant:
+        w = LinearWeight(quant, src.data, src.scale, src.minimum, src.group_size, bias)
     else:
         dense = dequantize(src, torch.float32) if is_packed else src.to(torch.float32)
         if quant == "none":
@@ -92,14 +94,15 @@ def build_weights(named: Named, config: ModelConfig, quant: str = "auto", dtype:
             gate_up=fused([f"{mlp}.gate_proj", f"{mlp}.up_proj"]),
             down=fused([f"{mlp}.down_proj"]),
         ))
-    embed = _dense(named["model.embed_tokens.weight"])
+    embed_src = named["model.embed_tokens.weight"]
     head_src = named.get("lm_head.weight")
-    if head_src is None or config.tie_word_embeddings:
-        head_src = embed
-    lm_head = prepacked(to_runtime_linear(head_src, None, quant, dtype, device, group_size))
-    table: torch.Tensor | LinearWeight = embed.to(dtype).to(device)
-    if head_src is embed and lm_head.format == "w8" and device.type == "cpu":
-        table = lm_head  # tied: the embedding reads the head's int8 rows instead of a float copy of them
+    tied = head_src is None or config.tie_word_embeddings
+    lm_head = prepacked(to_runtime_linear(embed_src if tied else head_src, None, quant, dtype, device, group_size))
+    table: torch.Tensor | LinearWeight
+    if tied and lm_head.format == "w8" and device.type == "cpu":
+        table = lm_head  # the embedding reads the head's uint8 rows instead of a float copy of them
+    else:
+        table = _dense(embed_src).to(dtype).to(device)
     return LlamaWeights(table, layers, norm("model.norm.weight"), lm_head)
 
 

@@ -119,7 +119,8 @@ def test_the_budget_is_per_step() -> None:
 
 
 def test_int8_blocks_spill_and_restore_with_their_scales() -> None:
-    kv = KVCache.allocate(2, 4, BS, 2, 8, torch.float32, "cpu", int8=True)
+    kv = KVCache.allocate(2, 4, BS, 2, 64, torch.float32, "cpu", int8=True)
+    assert kv.k_scale[0].shape == (4, BS, 2, 2) and kv.v_scale[0].shape == (4, BS, 2, 1)  # keys: per 32 channels
     for t in (*kv.k, *kv.v):
         t.copy_(torch.randint(-127, 128, t.shape, dtype=torch.int8))
     for t in (*kv.k_scale, *kv.v_scale):

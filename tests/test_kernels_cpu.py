@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from edged.kernels import LinearWeight, cpu, cpu_native, dequantize, pack_w4, quantize_w4, quantize_w8, reference
+from edged.models.batch import KVCache
 from edged.models.loader import LoadedModel
 from edged.models.runtime_weights import build_weights
 from edged.models.llama import LlamaModel, LlamaWeights, LayerWeights
@@ -45,18 +46,20 @@ def weights(kind: str, n: int, k: int) -> LinearWeight:
         return LinearWeight("dense", dense)
     if kind == "w8":
         return quantize_w8(dense)
+    if kind == "w8-q4_1":  # Q4_1's large offsets requantized to w8 groups
+        return quantize_w8(dequantize(q4_1_with_large_offsets(n, k)))
     if kind == "w4-q4_1":
         return q4_1_with_large_offsets(n, k)
     return quantize_w4(dense, int(kind.removeprefix("w4-g")))
 
 
-KINDS = ["dense", "w8", "w4-g32", "w4-g64", "w4-g128", "w4-q4_1"]
+KINDS = ["dense", "w8", "w8-q4_1", "w4-g32", "w4-g64", "w4-g128", "w4-q4_1"]
 
 
 @pytest.fixture(params=["native", "torch"])
 def impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """The C kernels of cpu_native.py, and the torch calls that stand in where no C compiler is
-    (for linear: torch's bfloat16 weight-only kernels)."""
+    (for linear: torch's bfloat16 int4 kernel, w8 dequantized to float32 at prepack)."""
     if request.param == "native" and not cpu_native.available():
         pytest.skip("no C compiler for the CPU kernels")
     if request.param == "torch":
@@ -75,8 +78,8 @@ def test_linear_matches_the_oracle(kind: str, rows: int, impl: str) -> None:
     want = reference.linear(x, w)
     got = cpu.linear(x, w)
     assert got.shape == want.shape and got.dtype == F32
-    # fp32 end to end: summation order only. torch's bf16 kernels round x, the scales and the result.
-    close(got, want, 2e-6 if impl == "native" or kind == "dense" else 2e-2)
+    # fp32 end to end: summation order only. torch's bf16 int4 kernel rounds x, the scales and the result.
+    close(got, want, 2e-6 if impl == "native" or not kind.startswith("w4") else 2e-2)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -85,10 +88,10 @@ def test_linear_takes_any_leading_dimensions(kind: str, impl: str) -> None:
     x = torch.randn(2, 3, 128)
     got = cpu.linear(x, w)
     assert got.shape == (2, 3, 72)
-    close(got, reference.linear(x, w), 2e-6 if impl == "native" or kind == "dense" else 2e-2)
+    close(got, reference.linear(x, w), 2e-6 if impl == "native" or not kind.startswith("w4") else 2e-2)
 
 
-@pytest.mark.parametrize("kind", ["dense", "w8", "w4-g32", "w4-q4_1"])
+@pytest.mark.parametrize("kind", ["dense", "w8", "w8-q4_1", "w4-g32", "w4-q4_1"])
 def test_linear_in_bfloat16_rounds_once_and_logits_come_out_in_float32(kind: str) -> None:
     w = weights(kind, 64, 128)
     if kind == "dense":
@@ -102,10 +105,16 @@ def test_linear_in_bfloat16_rounds_once_and_logits_come_out_in_float32(kind: str
     close(cpu.linear(x, w), want, 1e-2)
 
 
-def test_w8_with_an_odd_number_of_columns(impl: str) -> None:
-    w = quantize_w8(torch.randn(40, 75))
-    x = torch.randn(3, 75)
-    close(cpu.linear(x, w), reference.linear(x, w), 2e-2)
+@pytest.mark.parametrize("cols", [75, 50])
+def test_w8_rows_that_are_one_group(cols: int, impl: str) -> None:
+    """in_features not a multiple of 32: one group per row; an odd width has no native kernel (column pairs)."""
+    w = quantize_w8(torch.randn(40, cols))
+    assert w.group_size == cols and w.scale.shape == (40, 1)
+    for rows in (3, cpu.DEQUANT_ROWS):
+        x = torch.randn(rows, cols)
+        close(cpu.linear(x, w), reference.linear(x, w), 2e-6)
+    want = "native-w8" if impl == "native" and cols % 2 == 0 else "torch-w8"
+    assert w.cpu_packed.format == want
 
 
 def test_prepack_keeps_the_weight_readable_by_the_oracle() -> None:
@@ -158,24 +167,28 @@ def test_silu_and_mul(dtype: torch.dtype, impl: str) -> None:
 # --- paged KV cache and attention ----------------------------------------------------------------------
 
 N_BLOCKS, BLOCK, HKV, D = 24, 4, 2, 16
+# (int8 KV, head_dim): the float cache, int8 with one key scale per head (16 channels, not a multiple of
+# 32) and int8 with two key scales per head (groups of 32 channels); one value scale per head always
+KV_CASES = [(False, D), (True, D), (True, 64)]
 
 
-def caches(int8: bool, dtype: torch.dtype = F32) -> list[torch.Tensor | None]:
-    shape = (N_BLOCKS, BLOCK, HKV, D)
+def caches(int8: bool, dtype: torch.dtype = F32, d: int = D) -> list[torch.Tensor | None]:
+    shape = (N_BLOCKS, BLOCK, HKV, d)
     if not int8:
         return [torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype), None, None]
     return [torch.zeros(shape, dtype=torch.int8), torch.zeros(shape, dtype=torch.int8),
-            torch.zeros(shape[:3]), torch.zeros(shape[:3])]
+            torch.zeros(*shape[:3], reference.k_scale_groups(d)),
+            torch.zeros(*shape[:3], reference.v_scale_groups(d))]
 
 
-def filled(lens: list[int], int8: bool, dtype: torch.dtype = F32, seed: int = 0
+def filled(lens: list[int], int8: bool, dtype: torch.dtype = F32, seed: int = 0, d: int = D
            ) -> tuple[list[torch.Tensor | None], torch.Tensor]:
     """Caches holding `lens[b]` random tokens of sequence b, in shuffled blocks; the block table."""
     g = torch.Generator().manual_seed(seed)
     order = torch.randperm(N_BLOCKS, generator=g)
     width = max(-(-n // BLOCK) for n in lens)
     table = torch.zeros(len(lens), width, dtype=torch.int32)
-    c = caches(int8, dtype)
+    c = caches(int8, dtype, d)
     used = 0
     for b, n in enumerate(lens):
         nb = -(-n // BLOCK)
@@ -183,17 +196,17 @@ def filled(lens: list[int], int8: bool, dtype: torch.dtype = F32, seed: int = 0
         used += nb
         pos = torch.arange(n)
         slots = table[b, pos // BLOCK].long() * BLOCK + pos % BLOCK
-        k, v = torch.randn(n, HKV, D, generator=g).to(dtype), torch.randn(n, HKV, D, generator=g).to(dtype)
+        k, v = torch.randn(n, HKV, d, generator=g).to(dtype), torch.randn(n, HKV, d, generator=g).to(dtype)
         reference.write_kv(k, v, *c[:2], slots, *c[2:])
     return c, table
 
 
-@pytest.mark.parametrize("int8", [False, True])
+@pytest.mark.parametrize("int8,d", KV_CASES)
 @pytest.mark.parametrize("dtype", [F32, BF16])
-def test_write_kv_skips_padding_and_matches_the_oracle(int8: bool, dtype: torch.dtype, impl: str) -> None:
-    k, v = torch.randn(5, HKV, D).to(dtype), torch.randn(5, HKV, D).to(dtype)
+def test_write_kv_skips_padding_and_matches_the_oracle(int8: bool, d: int, dtype: torch.dtype, impl: str) -> None:
+    k, v = torch.randn(5, HKV, d).to(dtype), torch.randn(5, HKV, d).to(dtype)
     slots = torch.tensor([7, -1, 0, 30, -1])
-    got, want = caches(int8, dtype), caches(int8, dtype)
+    got, want = caches(int8, dtype, d), caches(int8, dtype, d)
     cpu.write_kv(k, v, *got[:2], slots, *got[2:])
     reference.write_kv(k, v, *want[:2], slots, *want[2:])
     for a, b in zip(got, want):
@@ -201,15 +214,34 @@ def test_write_kv_skips_padding_and_matches_the_oracle(int8: bool, dtype: torch.
             assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("int8", [False, True])
+def test_int8_keys_have_one_scale_per_32_channels() -> None:
+    """The int8 layout (kernels/reference.py): an outlier channel of a key sets the scale of its own group
+    of 32 channels only, and the other group keeps its resolution; the cache allocates one key scale per
+    group and one value scale per head."""
+    k = torch.randn(3, HKV, 64, generator=torch.Generator().manual_seed(0)) * 0.1
+    k[:, :, 5] = 40.0
+    q, scale = reference.quantize_kv_int8(k, reference.k_scale_groups(64))
+    assert q.shape == k.shape and scale.shape == (3, HKV, 2)
+    assert torch.equal(scale[..., 0], torch.full((3, HKV), 40.0 / 127))
+    assert torch.equal(scale[..., 1], k[..., 32:].abs().amax(-1) / 127)
+    back = (q.float().unflatten(-1, (2, 32)) * scale[..., None]).flatten(-2)
+    assert ((back - k)[..., 32:].abs() <= scale[..., 1:] / 2 * (1 + 1e-6)).all()
+    kv = KVCache.allocate(1, 2, 4, 3, 64, F32, "cpu", int8=True)
+    assert kv.k_scale[0].shape == (2, 4, 3, 2) and kv.v_scale[0].shape == (2, 4, 3, 1)
+    assert kv.k_scale[0].dtype == kv.v_scale[0].dtype == F32
+    assert kv.bytes_per_block() == 2 * 4 * 3 * 64 + 4 * 4 * 3 * (2 + 1)
+    assert KVCache.allocate(1, 2, 4, 3, 48, F32, "cpu", int8=True).k_scale[0].shape == (2, 4, 3, 1)
+
+
+@pytest.mark.parametrize("int8,d", KV_CASES)
 @pytest.mark.parametrize("hq", [2, 6])  # MHA and GQA (3 query heads per KV head)
 @pytest.mark.parametrize("lens", [[9], [1, 17, 6, 12], [16, 16]])
-def test_attention_decode_over_ragged_paged_contexts(int8: bool, hq: int, lens: list[int], impl: str) -> None:
-    c, table = filled(lens, int8)
-    q = torch.randn(len(lens), hq, D)
+def test_attention_decode_over_ragged_paged_contexts(int8: bool, d: int, hq: int, lens: list[int], impl: str) -> None:
+    c, table = filled(lens, int8, d=d)
+    q = torch.randn(len(lens), hq, d)
     ctx = torch.tensor(lens, dtype=torch.int32)
-    got = cpu.attention_decode(q, c[0], c[1], table, ctx, D ** -0.5, c[2], c[3])
-    want = reference.attention_decode(q, c[0], c[1], table, ctx, D ** -0.5, c[2], c[3])
+    got = cpu.attention_decode(q, c[0], c[1], table, ctx, d ** -0.5, c[2], c[3])
+    want = reference.attention_decode(q, c[0], c[1], table, ctx, d ** -0.5, c[2], c[3])
     close(got, want, 1e-5)
 
 
@@ -222,18 +254,18 @@ def test_attention_decode_in_bfloat16() -> None:
     close(got, reference.attention_decode(q, c[0], c[1], table, ctx, D ** -0.5), 1e-2)
 
 
-@pytest.mark.parametrize("int8", [False, True])
+@pytest.mark.parametrize("int8,d", KV_CASES)
 @pytest.mark.parametrize("hq", [2, 6])
 @pytest.mark.parametrize("case", ["one prompt", "cached prefix", "mixed with decodes"])
-def test_attention_prefill_with_cached_prefixes(int8: bool, hq: int, case: str, impl: str) -> None:
+def test_attention_prefill_with_cached_prefixes(int8: bool, d: int, hq: int, case: str, impl: str) -> None:
     lens, new = {"one prompt": ([11], [11]), "cached prefix": ([14], [5]),
                  "mixed with decodes": ([7, 20, 9, 3], [1, 6, 1, 3])}[case]
-    c, table = filled(lens, int8)
+    c, table = filled(lens, int8, d=d)
     cu = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32)
-    q = torch.randn(int(cu[-1]), hq, D)
+    q = torch.randn(int(cu[-1]), hq, d)
     ctx = torch.tensor(lens, dtype=torch.int32)
-    got = cpu.attention_prefill(q, c[0], c[1], table, cu, ctx, D ** -0.5, c[2], c[3])
-    want = reference.attention_prefill(q, c[0], c[1], table, cu, ctx, D ** -0.5, c[2], c[3])
+    got = cpu.attention_prefill(q, c[0], c[1], table, cu, ctx, d ** -0.5, c[2], c[3])
+    want = reference.attention_prefill(q, c[0], c[1], table, cu, ctx, d ** -0.5, c[2], c[3])
     close(got, want, 1e-5)
 
 

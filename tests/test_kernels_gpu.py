@@ -99,6 +99,45 @@ def test_linear_odd_shapes() -> None:
             assert rel_err(ops.linear(x, w), ref_linear(x, w)) < REL[torch.float16], (fmt, m)
 
 
+def large_offset_w8(n: int, k: int, seed: int) -> LinearWeight:
+    """Q4_1-like groups (minimums ~100x the step) requantized to w8 groups, on the GPU."""
+    from edged.kernels.weights import dequantize, pack_w4
+
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    d = torch.rand(n, k // 32, generator=g) * 0.002 + 0.001
+    m = torch.randn(n, k // 32, generator=g).sign() * (0.15 + 0.05 * torch.rand(n, k // 32, generator=g))
+    return quantize_w8(dequantize(pack_w4(q, d, m, 32))).to(DEV)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,k", [(4096, 14336), (1536 + 7, 576), (49152, 576)])
+def test_linear_w8_groups_with_large_offsets(n: int, k: int, dtype: torch.dtype) -> None:
+    """Grouped w8 in bf16 and fp16, groups whose offsets dwarf their spread: float32 logits from the GEMV
+    (dequantized in float32 registers) carry float32 rounding only; from the GEMM (its dequantized tile
+    rounded to the activation dtype for the tensor cores) no more than holding the weight in that dtype."""
+    from edged.kernels.weights import dequantize
+
+    w = large_offset_w8(n, k, seed=n + k).astype(dtype)
+    exact = dequantize(w)
+    for m in (1, 5, 16, 48, 200):
+        x = torch.randn(m, k, device=DEV).to(dtype)
+        want = ref_linear(x, w)
+        weight_in_dtype = rel_err(x.float() @ exact.to(dtype).float().T, want)
+        bound = 1e-5 if m == 1 else 1e-5 + 1.2 * weight_in_dtype
+        assert rel_err(ops.linear(x, w, out_dtype=torch.float32), want) < bound, (m, weight_in_dtype)
+        assert rel_err(ops.linear(x, w), want) < REL[dtype], m
+
+
+def test_linear_w8_rows_of_one_group() -> None:
+    """in_features not a multiple of 32 (one group per row): GEMV and GEMM, bf16."""
+    w = make_weight("w8", 1000, 1000, torch.bfloat16, bias=True, seed=11)
+    assert w.group_size == 1000
+    for m in (1, 7, 100):
+        x = torch.randn(m, 1000, device=DEV).bfloat16()
+        assert rel_err(ops.linear(x, w), ref_linear(x, w)) < REL[torch.bfloat16], m
+
+
 def test_linear_is_deterministic() -> None:
     w = make_weight("w8", 4096, 14336, torch.bfloat16)
     x = torch.randn(1, 14336, device=DEV).bfloat16()
@@ -155,12 +194,14 @@ def test_write_kv_exact(dtype: torch.dtype, int8: bool) -> None:
     CUDA division by the scalar 127.0 multiplies by its reciprocal, so its scales can differ by an ulp.)"""
     n, s, h, d, t = 64, 16, 8, 128, 333
     k = (3 * torch.randn(t, h, d, device=DEV)).to(dtype)
+    k[:, :, 7] *= 20  # an outlier channel, as real keys have: it sets the scale of channels 0-31 only
     v = torch.randn(t, h, d, device=DEV).to(dtype)
     slots = torch.randperm(n * s, device=DEV)[:t]
     slots[::7] = -1
     store = torch.int8 if int8 else dtype
     caches = [torch.full((n, s, h, d), 3, dtype=store) for _ in range(4)]
-    scales = [torch.full((n, s, h), -1.0) if int8 else None for _ in range(4)]
+    groups = [reference.k_scale_groups(d), reference.v_scale_groups(d)] * 2
+    scales = [torch.full((n, s, h, g), -1.0) if int8 else None for g in groups]
     got = [c.to(DEV) for c in caches[:2]]
     got_s = [None if x is None else x.to(DEV) for x in scales[:2]]
     ops.write_kv(k, v, got[0], got[1], slots, got_s[0], got_s[1])
@@ -178,7 +219,7 @@ def _attn_rel(dtype: torch.dtype, int8: bool) -> float:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("int8", [False, True])
-@pytest.mark.parametrize("head_dim,hq,hkv", [(128, 32, 8), (64, 32, 8), (64, 9, 3)])
+@pytest.mark.parametrize("head_dim,hq,hkv", [(128, 32, 8), (64, 32, 8), (64, 9, 3), (96, 12, 4)])
 def test_attention_decode(dtype: torch.dtype, int8: bool, head_dim: int, hq: int, hkv: int) -> None:
     ctx = [1, 17, 500, 1024, 4096, 2049, 33, 3000]
     kc, vc, ks, vs, tables = paged_cache(ctx, hkv, head_dim, 16, dtype, int8)

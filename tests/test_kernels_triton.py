@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from edged.kernels import reference
-from edged.kernels.weights import LinearWeight, quantize_w4, quantize_w8
+from edged.kernels.weights import LinearWeight, dequantize, pack_w4, quantize_w4, quantize_w8
 from helpers.kernel_inputs import make_weight
 from helpers.sampling import allowed_tokens
 
@@ -175,6 +175,37 @@ def test_linear_gemv_ragged_k(fmt: str) -> None:
     _check_linear(x, w, tlin.LinearConfig("gemv", 1, 1, 64, split=1))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_w8_groups_with_large_offsets(dtype: torch.dtype) -> None:
+    """w8 groups whose minimums are ~100x their step (Q4_1 requantized), float32 logits, K splits too:
+    the GEMV dequantizes in float32 (float32 rounding only); the GEMM rounds its dequantized tile to
+    x's dtype (no more error than holding the weight in that dtype)."""
+    g = torch.Generator().manual_seed(4)
+    q = torch.randint(0, 16, (40, 256), generator=g, dtype=torch.uint8)
+    d = (torch.rand(40, 8, generator=g) * 0.002 + 0.001).half()
+    m = (torch.randn(40, 8, generator=g).sign() * (0.15 + 0.05 * torch.rand(40, 8, generator=g))).half()
+    w = quantize_w8(dequantize(pack_w4(q, d, m, 32)))
+    exact = dequantize(w)
+    for rows, cfg in ((1, tlin.LinearConfig("gemv", 1, 4, 64, split=3)),
+                      (7, tlin.LinearConfig("matmul", 16, 32, 64, split=2))):
+        x = torch.randn(rows, 256, generator=g).to(dtype)
+        want = x.float() @ exact.T
+        weight_in_dtype = ((x.float() @ exact.to(dtype).float().T - want).norm() / want.norm()).item()
+        got = tlin.linear(x, w, cfg, out_dtype=torch.float32)
+        err = ((got - want).norm() / want.norm()).item()
+        assert err < (1e-6 if rows == 1 else 1e-6 + 1.2 * weight_in_dtype), (rows, cfg, err, weight_in_dtype)
+
+
+def test_linear_w8_rows_of_one_group() -> None:
+    """in_features not a multiple of 32: one group per row (its parameters applied once, after the dot)."""
+    torch.manual_seed(5)
+    w = _weight("w8", 33, 200, torch.float16, bias=True)
+    assert w.group_size == 200
+    x = torch.randn(9, 200).to(torch.float16)
+    _check_linear(x, w, tlin.LinearConfig("matmul", 16, 32, 64, split=2))
+    _check_linear(x, w)
+
+
 @pytest.mark.parametrize("fmt", ["dense", "w8", "w4"])
 def test_linear_matmul_split_and_3d(fmt: str) -> None:
     torch.manual_seed(1)
@@ -239,8 +270,8 @@ def _paged(ctx_lens: list[int], hkv: int, d: int, block: int, dtype: torch.dtype
     store = torch.int8 if int8 else dtype
     kc = torch.zeros(n_blocks, block, hkv, d, dtype=store)
     vc = torch.zeros_like(kc)
-    ks = torch.zeros(n_blocks, block, hkv) if int8 else None
-    vs = torch.zeros_like(ks) if int8 else None
+    ks = torch.zeros(n_blocks, block, hkv, reference.k_scale_groups(d)) if int8 else None
+    vs = torch.zeros(n_blocks, block, hkv, reference.v_scale_groups(d)) if int8 else None
     used = 0
     for b, c in enumerate(ctx_lens):
         nb = -(-c // block)
@@ -257,15 +288,17 @@ def _paged(ctx_lens: list[int], hkv: int, d: int, block: int, dtype: torch.dtype
 @pytest.mark.parametrize("int8", [False, True])
 def test_write_kv(dtype: torch.dtype, int8: bool) -> None:
     torch.manual_seed(0)
-    n, s, h, d, t = 4, 8, 2, 32, 7
+    n, s, h, d, t = 4, 8, 2, 64, 7  # int8: two key scales per head (groups of 32 channels), one value scale
     k = (3 * torch.randn(t, h, d)).to(dtype)
     v = torch.randn(t, h, d).to(dtype)
     k[2, 1] = 0  # all-zero head: the scale clamps to 1e-6 / 127
+    k[4, 0, 32:] = 0  # one all-zero group beside a nonzero one
     k[3, 0, 5] = 127 * 0.5 / 127  # exact halves exercise round-half-to-even
+    k[6, 1, 40] = 50.0  # an outlier channel: its group's scale only
     slots = torch.tensor([0, 5, -1, 9, 31, -1, 17], dtype=torch.int64)
     store = torch.int8 if int8 else dtype
     caches = [torch.full((n, s, h, d), 3, dtype=store) for _ in range(4)]
-    scales = [torch.full((n, s, h), -1.0) if int8 else None for _ in range(4)]
+    scales = [torch.full((n, s, h, g), -1.0) if int8 else None for g in (2, 1, 2, 1)]  # K: 2 groups, V: 1
     ops.write_kv(k, v, caches[0], caches[1], slots, scales[0], scales[1])
     reference.write_kv(k, v, caches[2], caches[3], slots, scales[2], scales[3])
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
@@ -277,7 +310,7 @@ def test_write_kv_int8_exact_on_ties() -> None:
     # values that land exactly on .5 after scaling: amax 127 -> scale 1.0
     k = torch.tensor([[[127.0, 0.5, 1.5, 2.5, -0.5, -1.5, 3.49, -126.5]]])
     kc, vc = torch.zeros(1, 2, 1, 8, dtype=torch.int8), torch.zeros(1, 2, 1, 8, dtype=torch.int8)
-    ks, vs = torch.zeros(1, 2, 1), torch.zeros(1, 2, 1)
+    ks, vs = torch.zeros(1, 2, 1, 1), torch.zeros(1, 2, 1, 1)
     ops.write_kv(k, k, kc, vc, torch.tensor([1]), ks, vs)
     want, scale = reference.quantize_kv_int8(k)
     assert torch.equal(kc[0, 1], want[0]) and torch.equal(ks[0, 1], scale[0])
@@ -290,7 +323,7 @@ def test_write_kv_int8_exact_on_ties() -> None:
 @pytest.mark.parametrize("hq,hkv", [(4, 2), (3, 1)])
 def test_attention_decode(dtype: torch.dtype, int8: bool, hq: int, hkv: int) -> None:
     torch.manual_seed(0)
-    d, block = 32, 8
+    d, block = (64 if int8 else 32), 8  # int8: two key scale groups per head
     ctx = [1, 13, 40]
     kc, vc, ks, vs, tables = _paged(ctx, hkv, d, block, dtype, int8)
     q = torch.randn(len(ctx), hq, d).to(dtype)
@@ -317,7 +350,7 @@ def test_attention_decode_default_splits_and_strided_q() -> None:
 @pytest.mark.parametrize("int8", [False, True])
 def test_attention_prefill_with_cached_prefix(dtype: torch.dtype, int8: bool) -> None:
     torch.manual_seed(0)
-    hq, hkv, d, block = 4, 2, 32, 8
+    hq, hkv, d, block = 4, 2, (64 if int8 else 32), 8  # int8: two key scale groups per head
     ctx = [19, 5, 12, 33]  # cached prefix + new tokens
     new = [19, 3, 0, 20]  # a full prompt, two chunks with a prefix, and a sequence without new tokens
     kc, vc, ks, vs, tables = _paged(ctx, hkv, d, block, dtype, int8, seed=2)
@@ -329,16 +362,17 @@ def test_attention_prefill_with_cached_prefix(dtype: torch.dtype, int8: bool) ->
     torch.testing.assert_close(got, want, **TOL[dtype])
 
 
-def test_attention_prefill_gqa_odd_group_and_head_dim() -> None:
+@pytest.mark.parametrize("int8", [False, True])
+def test_attention_prefill_gqa_odd_group_and_head_dim(int8: bool) -> None:
     torch.manual_seed(0)
-    hq, hkv, d, block = 6, 2, 40, 4  # group 3, head_dim not a power of two
+    hq, hkv, d, block = 6, 2, 40, 4  # group 3, head_dim not a power of two (int8: nor a multiple of 32)
     ctx, new = [9, 17], [9, 6]
-    kc, vc, ks, vs, tables = _paged(ctx, hkv, d, block, torch.float32, False, seed=5)
+    kc, vc, ks, vs, tables = _paged(ctx, hkv, d, block, torch.float32, int8, seed=5)
     cu = torch.tensor([0, new[0], new[0] + new[1]], dtype=torch.int32)
     q = torch.randn(sum(new), hq, d)
     lens = torch.tensor(ctx, dtype=torch.int32)
-    want = reference.attention_prefill(q, kc, vc, tables, cu, lens, 0.2)
-    got = tattn.attention_prefill(q, kc, vc, tables, cu, lens, 0.2, block_m=16)
+    want = reference.attention_prefill(q, kc, vc, tables, cu, lens, 0.2, ks, vs)
+    got = tattn.attention_prefill(q, kc, vc, tables, cu, lens, 0.2, ks, vs, block_m=16)
     torch.testing.assert_close(got, want, **TOL[torch.float32])
 
 

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ from edged.bench.accuracy import (Agreement, Variant, agreement, reference_kerne
                                   transformers_agreement)
 from edged.engine.setup import EngineSettings, build_engine
 from edged.kernels import reference
-from edged.kernels.weights import W4_PARAM_DTYPE, W8_SCALE_DTYPE, LinearWeight, dequantize, pack_w4, quantize_w8
+from edged.kernels.weights import W4_PARAM_DTYPE, W8_PARAM_DTYPE, LinearWeight, dequantize, pack_w4, quantize_w8
 from edged.models.loader import LoadedModel, load_model
 from edged.models.runtime_weights import to_runtime_linear
 from helpers.tiny_engine import request, run_to_completion
@@ -47,11 +48,31 @@ def test_w4_scales_and_minimums_keep_their_fp16_values_in_a_bf16_model() -> None
         assert torch.equal(dequantize(w), dequantize(src))
 
 
-def test_w8_scales_stay_float32_in_a_bf16_model() -> None:
+def test_w8_scales_and_minimums_stay_float16_in_a_bf16_model() -> None:
     dense = torch.randn(32, 64) * 0.05 + 0.3
     w = to_runtime_linear(dense, None, "w8", torch.bfloat16, torch.device("cpu"))
-    assert w.scale.dtype == W8_SCALE_DTYPE
+    assert w.scale.dtype == W8_PARAM_DTYPE and w.minimum.dtype == W8_PARAM_DTYPE and w.group_size == 32
     assert torch.equal(dequantize(w), dequantize(quantize_w8(dense)))
+
+
+def q8_0_like(n: int, k: int, seed: int = 0) -> LinearWeight:
+    """A GGUF Q8_0-shaped w8 weight (q + 128, scale d, minimum -128 d), as the GGUF loader makes it."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(1, 256, (n, k), generator=g, dtype=torch.uint8)
+    d = (torch.rand(n, k // 32, generator=g) * 0.002 + 0.0005).half()
+    return LinearWeight("w8", q, d, d * -128, 32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_q8_0_source_stays_w8_where_w8_is_asked_for(dtype: torch.dtype) -> None:
+    """auto (on the CPU) and w8 keep GGUF Q8_0 as stored; none dequantizes it; w4 requantizes it."""
+    src, cpu = q8_0_like(64, 128), torch.device("cpu")
+    for quant in ("auto", "w8"):
+        w = to_runtime_linear(src, None, quant, dtype, cpu)
+        assert w.format == "w8" and w.data is src.data and torch.equal(dequantize(w), dequantize(src))
+    none = to_runtime_linear(src, None, "none", torch.float32, cpu)
+    assert none.format == "dense" and torch.equal(none.data, dequantize(src))
+    assert to_runtime_linear(src, None, "w4", dtype, cpu).format == "w4"
 
 
 def _linear_impls() -> list:
@@ -87,6 +108,35 @@ def test_bf16_linear_on_q4_1_with_large_offsets_dequantizes_and_accumulates_in_f
         out = impl(x.to(device), w)
         assert out.dtype == torch.bfloat16
         assert rel(out, want) < 2.5 * weight_in_bf16, (m, rel(out, want))
+
+
+@pytest.mark.parametrize("device,impl", _linear_impls())
+def test_bf16_linear_on_w8_groups_with_large_offsets_dequantizes_and_accumulates_in_fp32(device: str, impl) -> None:
+    """w8 holding Q4_1's large offsets (requantized) and GGUF Q8_0, bf16 activations: as for w4, float32
+    logits carry float32 rounding only where the weight is dequantized in float32 registers (GEMV,
+    reference, CPU), and no more than holding the weight in bf16 where Triton's GEMM rounds its tile."""
+    triton_gemm = impl is None
+    if impl is None:
+        from edged.kernels import triton_ops
+        impl = triton_ops.linear
+    for src in (quantize_w8(dequantize(q4_1_like(384, 1024, seed=2))), q8_0_like(384, 1024, seed=3)):
+        exact = dequantize(src)
+        w = to_runtime_linear(src, None, "w8", torch.bfloat16, torch.device(device))
+
+        def rel(y: torch.Tensor, want: torch.Tensor) -> float:
+            return ((y.float().cpu() - want).norm() / want.norm()).item()
+
+        for m in (1, 7, 64):
+            x = torch.randn(m, 1024, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
+            want = x.float() @ exact.T
+            weight_in_bf16 = rel(x.float() @ exact.bfloat16().float().T, want)
+            logits = impl(x.to(device), w, out_dtype=torch.float32)
+            assert logits.dtype == torch.float32
+            bound = 1.2 * weight_in_bf16 if (triton_gemm and m > 1) else 1e-5
+            assert rel(logits, want) < bound, (m, rel(logits, want), weight_in_bf16)
+            out = impl(x.to(device), w)
+            assert out.dtype == torch.bfloat16
+            assert rel(out, want) < 2.5 * weight_in_bf16, (m, rel(out, want))
 
 
 # ------------------------------------------------------------------------------- the embedded model
@@ -186,10 +236,12 @@ def test_bf16_greedy_answers_like_transformers_bf16(real_model: LoadedModel, cha
 
 
 # Floors on the fraction of > 500 teacher-forced positions whose top-1 equals float32's. bf16's floor is
-# transformers bf16's own agreement minus half a point, measured in the same test. The issue's 98% for
-# w8 and int8 KV is not reached on this 135M model (docs/BENCHMARKS.md: per-channel int8 of Q4_1-derived
-# weights, and int8 keys with one scale per token and head); these floors hold today's level.
-CPU_FLOORS = {Variant(torch.float32, "w8"): 0.94, Variant(torch.float32, "none", "int8"): 0.96}
+# transformers bf16's own agreement minus half a point, measured in the same test. w8 (uint8 groups of 32,
+# float16 scale and minimum: Q4_1 layers requantized almost exactly, the Q8_0 head held exactly) meets the
+# issue's 98% (100.0% float32 on the CPU, docs/BENCHMARKS.md). int8 KV (keys one scale per 32 channels,
+# values one per head) meets it too: 98.4% float32 on the CPU (96.8% with one key scale per head). Its
+# 12-18 differing positions all sit where float32's top two logits are < 0.05 apart.
+CPU_FLOORS = {Variant(torch.float32, "w8"): 0.98, Variant(torch.float32, "none", "int8"): 0.98}
 
 
 @pytest.fixture(scope="module")
@@ -208,20 +260,41 @@ def test_teacher_forced_agreement_on_cpu(real_model: LoadedModel, cpu_reference)
     assert not below, (below, hf_bf16, [(r.label, r.top1) for r, _ in rows])
 
 
+@dataclass(frozen=True)
+class NearBf16:
+    """The floor of a bf16 row: what its quantization may cost over `base`, the same bf16 model without
+    it, in the same run: base's agreement minus half a point, and the issue's 98% where that is higher.
+    bf16 activations alone stay near 98% (H200: bf16 none 98.0%, bf16 auto 97.8%), so a flat 98% would
+    pass or fail by which side of it bf16 itself lands on."""
+
+    base: Variant
+
+
 GPU_VARIANTS = {Variant(torch.bfloat16, "auto"): None, Variant(torch.bfloat16, "none"): None,
-                Variant(torch.float16, "auto"): 0.97, Variant(torch.bfloat16, "w8"): 0.93,
-                Variant(torch.float16, "w8"): 0.93, Variant(torch.bfloat16, "auto", "int8"): 0.96,
-                Variant(torch.float16, "none", "int8"): 0.94, Variant(torch.float32, "auto"): 0.99}
+                Variant(torch.float16, "auto"): 0.97,
+                Variant(torch.bfloat16, "w8"): NearBf16(Variant(torch.bfloat16, "none")),
+                Variant(torch.float16, "w8"): 0.98,
+                Variant(torch.bfloat16, "auto", "int8"): NearBf16(Variant(torch.bfloat16, "auto")),
+                Variant(torch.float16, "none", "int8"): 0.98, Variant(torch.float32, "auto"): 0.99}
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_teacher_forced_agreement_on_gpu(real_model: LoadedModel) -> None:
-    """None floors: transformers bf16's agreement (same GPU, same file) minus half a point."""
+    """None floors: transformers bf16's agreement (same GPU, same file) minus half a point; NearBf16: see
+    there."""
     ids = text_ids(real_model)
     ref = reference_top1(real_model, ids, "cuda")
     hf_bf16 = transformers_agreement(real_model, ids, ref, torch.bfloat16, "cuda")
-    rows = [(agreement(real_model, v, ids, ref, "cuda"), hf_bf16.top1 - 0.005 if f is None else f)
-            for v, f in GPU_VARIANTS.items()]
-    below = [(r.label, r.top1, floor) for r, floor in rows if r.top1 < floor]
+    measured = {v: agreement(real_model, v, ids, ref, "cuda") for v in GPU_VARIANTS}
+
+    def floor(f: float | NearBf16 | None) -> float:
+        if f is None:
+            return hf_bf16.top1 - 0.005
+        if isinstance(f, NearBf16):
+            return min(0.98, measured[f.base].top1 - 0.005)
+        return f
+
+    rows = [(measured[v], floor(f)) for v, f in GPU_VARIANTS.items()]
+    below = [(r.label, r.top1, least) for r, least in rows if r.top1 < least]
     assert not below, (below, hf_bf16, [(r.label, r.top1) for r, _ in rows])

@@ -58,7 +58,8 @@ class Variant:
     """One row of the table: activation dtype, weight format (`model.quant`) and KV cache dtype."""
 
     dtype: torch.dtype
-    quant: str  # auto (the daemon's default: GGUF Q4 kept as stored) | none | w8 | w4 (all requantized)
+    quant: str  # auto (the daemon's default: GGUF Q4 kept as stored) | none | w8 (Q8_0 kept, the rest
+    # requantized) | w4 (all requantized)
     kv_cache: str = "auto"  # auto | int8
 
     @property

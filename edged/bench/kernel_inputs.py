@@ -32,8 +32,8 @@ def paged_cache(ctx_lens: list[int], hkv: int, d: int, block: int, dtype: torch.
     store = torch.int8 if int8 else dtype
     kc = torch.zeros(n_blocks, block, hkv, d, dtype=store, device=DEV)
     vc = torch.zeros_like(kc)
-    ks = torch.zeros(n_blocks, block, hkv, device=DEV) if int8 else None
-    vs = torch.zeros_like(ks) if int8 else None
+    ks = torch.zeros(n_blocks, block, hkv, reference.k_scale_groups(d), device=DEV) if int8 else None
+    vs = torch.zeros(n_blocks, block, hkv, reference.v_scale_groups(d), device=DEV) if int8 else None
     used = 0
     for b, c in enumerate(ctx_lens):
         nb = -(-c // block)

@@ -10,6 +10,7 @@ import sys
 
 import torch
 
+from edged.kernels import reference
 from edged.kernels import triton_attention as tattn
 from edged.kernels import triton_linear as tlin
 from edged.kernels import triton_ops as ops
@@ -78,10 +79,18 @@ def gemv_time(fmt: str, n: int, k: int, m: int = 1, dtype=torch.bfloat16, config
     return t, ws[0].nbytes
 
 
+def kv_bytes(batch: int, ctx: int, hkv: int, d: int, int8: bool) -> int:
+    """K and V bytes a decode call reads: bf16 values, or int8 values and their float32 scales (per token and
+    kv head: keys one per 32 channels, values one)."""
+    if not int8:
+        return 2 * batch * ctx * hkv * d * 2
+    return batch * ctx * hkv * (2 * d + 4 * (reference.k_scale_groups(d) + reference.v_scale_groups(d)))
+
+
 def decode_time(batch: int, ctx: int, dtype=torch.bfloat16, int8: bool = False, hq: int = 32, hkv: int = 8,
                 d: int = 128) -> tuple[float, int]:
     """(seconds per attention_decode call, K/V bytes read), rotating caches so they overflow the L2."""
-    nbytes = 2 * batch * ctx * hkv * d * (1 if int8 else 2) + (2 * batch * ctx * hkv * 4 if int8 else 0)
+    nbytes = kv_bytes(batch, ctx, hkv, d, int8)
     copies = max(1, min(64, -(-256 * 2**20 // nbytes)))
     caches = [paged_cache([ctx] * batch, hkv, d, 16, dtype, int8, seed=i) for i in range(copies)]
     q = torch.randn(batch, hq, d, device=DEV).to(dtype)
@@ -183,7 +192,7 @@ def _decode_time_cfg(batch: int, ctx: int, int8: bool, block_t: int, warps: int)
     lens = torch.tensor([ctx] * batch, dtype=torch.int32, device=DEV)
     t = _graph_time(lambda i=0: tattn.attention_decode(q, kc, vc, tables, lens, 128 ** -0.5, ks, vs,
                                                        block_t=block_t, num_warps=warps))
-    return t, 2 * batch * ctx * 8 * 128 * (1 if int8 else 2) + (2 * batch * ctx * 8 * 4 if int8 else 0)
+    return t, kv_bytes(batch, ctx, 8, 128, int8)
 
 
 def run_kernels_bench(args: argparse.Namespace) -> int:

@@ -44,7 +44,7 @@ class ServerSettings:
     # QUIC (quic_listener.py, quic_tickets.py, quic_early_data.py); per worker process
     zero_rtt: bool = True  # issue session tickets and accept 0-RTT (replay-safe requests only run early)
     quic_max_connections: int = 2048  # more: new connections refused
-    quic_max_connections_per_address: int = 64  # from one client IP
+    quic_max_connections_per_address: int = 256  # from one client IP
     quic_retry_above_per_s: float = 200.0  # new handshakes/s above which Initials get a Retry; 0: always
     quic_retry_above_unvalidated_per_address: int = 8  # unproven handshakes in flight from one IP; more: Retry
     quic_handshake_timeout_s: float = 10.0  # a handshake not complete by then: the connection is closed

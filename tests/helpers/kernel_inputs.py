@@ -28,7 +28,8 @@ def make_weight(fmt: str, n: int, k: int, dtype: torch.dtype, bias: bool = False
 def paged_cache(ctx_lens: list[int], hkv: int, d: int, block: int, dtype: torch.dtype, int8: bool, seed: int = 0,
                 device: torch.device | str = "cpu"):
     """(k_cache, v_cache, k_scale, v_scale, block_tables): random keys and values for sequences of
-    `ctx_lens` tokens, in blocks scattered through the pool in a random order."""
+    `ctx_lens` tokens, in blocks scattered through the pool in a random order (int8: the scale layout of
+    kernels/reference.py, keys one scale per 32 channels, values one per head)."""
     g = torch.Generator(device=device).manual_seed(seed)
     width = max(-(-c // block) for c in ctx_lens) + 2
     n_blocks = sum(-(-c // block) for c in ctx_lens) + 5
@@ -37,8 +38,8 @@ def paged_cache(ctx_lens: list[int], hkv: int, d: int, block: int, dtype: torch.
     store = torch.int8 if int8 else dtype
     kc = torch.zeros(n_blocks, block, hkv, d, dtype=store, device=device)
     vc = torch.zeros_like(kc)
-    ks = torch.zeros(n_blocks, block, hkv, device=device) if int8 else None
-    vs = torch.zeros_like(ks) if int8 else None
+    ks = torch.zeros(n_blocks, block, hkv, reference.k_scale_groups(d), device=device) if int8 else None
+    vs = torch.zeros(n_blocks, block, hkv, reference.v_scale_groups(d), device=device) if int8 else None
     used = 0
     for b, c in enumerate(ctx_lens):
         nb = -(-c // block)
