@@ -64,3 +64,30 @@ def user_state_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         os.environ.pop("XDG_STATE_HOME", None)
     else:
         os.environ["XDG_STATE_HOME"] = old
+
+
+@pytest.fixture(scope="session")
+def hf_gguf_model() -> Callable[[Path, "torch.dtype"], object]:
+    """transformers' model of a GGUF file in a dtype, loaded once a session (a GGUF load dequantizes every
+    tensor in Python: ~10 s for SmolLM2). Other dtypes are cast from the float32 load, parameters only,
+    which is exactly what from_pretrained(dtype=...) gives (rope's inv_freq stays float32 either way).
+    Shared: treat as read-only and on the CPU."""
+    import copy
+
+    import torch
+
+    transformers = pytest.importorskip("transformers")
+    loaded: dict[tuple[Path, torch.dtype], object] = {}
+
+    def get(path: Path, dtype: torch.dtype) -> object:
+        if (path, torch.float32) not in loaded:
+            loaded[path, torch.float32] = transformers.AutoModelForCausalLM.from_pretrained(
+                path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+        if (path, dtype) not in loaded:
+            model = copy.deepcopy(loaded[path, torch.float32])
+            for p in model.parameters():
+                p.data = p.data.to(dtype)
+            loaded[path, dtype] = model
+        return loaded[path, dtype]
+
+    return get

@@ -33,10 +33,8 @@ NEW_TOKENS = 32
 
 
 @pytest.fixture(scope="module")
-def hf_model(gguf_path: Path):
-    model = transformers.AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
-                                                              dtype=torch.float32)
-    return model.eval()
+def hf_model(gguf_path: Path, hf_gguf_model):
+    return hf_gguf_model(gguf_path, torch.float32)
 
 
 @pytest.fixture(scope="module")

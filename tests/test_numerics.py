@@ -175,11 +175,8 @@ def chat_ids(real_model: LoadedModel) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def hf_models(real_model: LoadedModel) -> dict[torch.dtype, object]:
-    transformers = pytest.importorskip("transformers")
-    path = real_model.source_path
-    return {dt: transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dt).eval()
-            for dt in (torch.float32, torch.bfloat16)}
+def hf_models(real_model: LoadedModel, hf_gguf_model) -> dict[torch.dtype, object]:
+    return {dt: hf_gguf_model(real_model.source_path, dt) for dt in (torch.float32, torch.bfloat16)}
 
 
 def _divergence(hf, prompt: list[int], tokens: list[int]) -> tuple[int, float]:
@@ -250,10 +247,10 @@ def cpu_reference(real_model: LoadedModel) -> tuple[list[int], torch.Tensor]:
     return ids, reference_top1(real_model, ids, "cpu")
 
 
-def test_teacher_forced_agreement_on_cpu(real_model: LoadedModel, cpu_reference) -> None:
+def test_teacher_forced_agreement_on_cpu(real_model: LoadedModel, cpu_reference, hf_models) -> None:
     ids, ref = cpu_reference
     assert len(ids) >= 500
-    hf_bf16 = transformers_agreement(real_model, ids, ref, torch.bfloat16, "cpu")
+    hf_bf16 = transformers_agreement(real_model, ids, ref, torch.bfloat16, "cpu", hf_models[torch.bfloat16])
     rows: list[tuple[Agreement, float]] = [(agreement(real_model, v, ids, ref, "cpu"), f) for v, f in CPU_FLOORS.items()]
     rows.append((agreement(real_model, Variant(torch.bfloat16, "none"), ids, ref, "cpu"), hf_bf16.top1 - 0.005))
     below = [(r.label, r.top1, floor) for r, floor in rows if r.top1 < floor]

@@ -143,13 +143,15 @@ def agreement(loaded: LoadedModel, variant: Variant, ids: list[int], ref_top1: t
 
 
 def transformers_agreement(loaded: LoadedModel, ids: list[int], ref_top1: torch.Tensor, dtype: torch.dtype,
-                           device: torch.device | str) -> Agreement:
-    """Hugging Face transformers on the same GGUF (needs `transformers`): the yardstick for a dtype."""
-    import transformers
+                           device: torch.device | str, hf: object | None = None) -> Agreement:
+    """Hugging Face transformers on the same GGUF (needs `transformers`): the yardstick for a dtype.
+    `hf`: that model already loaded in `dtype` on `device` (a GGUF load takes seconds)."""
+    if hf is None:
+        import transformers
 
-    path = loaded.source_path
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
-    hf = hf.to(device).eval()
+        path = loaded.source_path
+        hf = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+        hf = hf.to(device).eval()
     with torch.inference_mode():
         logits = hf(torch.tensor([ids], device=device)).logits[0]
     top1 = logits.float().argmax(dim=-1).cpu()
