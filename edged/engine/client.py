@@ -63,6 +63,11 @@ class PromptEncoding:
         pieces = self.chat_template.render_pieces(messages, self.tokenizer.special_token_pattern)
         return self.tokenizer.encode_markup(pieces)
 
+    def warm_up(self) -> None:
+        """Pay the first-use costs before serving: a tokenizer's first encode compiles its pre-tokenizer
+        (~100 ms for SmolLM2's), which would otherwise land on each worker's first request."""
+        self.tokenizer.decode(self.render_chat([{"role": "user", "content": "Hello, what is 1 + 1?"}]))
+
 
 @runtime_checkable
 class EngineClient(Protocol):
@@ -80,6 +85,9 @@ class EngineClient(Protocol):
 
     def render_chat(self, messages: list[dict]) -> list[int]:
         """The chat template applied and tokenized (ValueError on malformed messages)."""
+
+    def warm_up(self) -> None:
+        """Pay first-use costs (the tokenizer's) before the first request does."""
 
     async def submit(self, request: GenerationRequest) -> AsyncIterator[TextDelta]:
         """Hand the request to the engine; returns once it is admitted (raises `EngineRefused`

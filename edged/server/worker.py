@@ -109,6 +109,7 @@ class Worker:
 
         cfg = self.config
         self.engine.start()
+        self.engine.warm_up()
         await self._open_result_cache()
         router = Router(self.engine, server_settings(cfg, self.name),
                         sampling_defaults=self.sampling_defaults)

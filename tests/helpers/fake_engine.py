@@ -96,6 +96,9 @@ class FakeEngine:
         text = "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
         return self.encode(text)
 
+    def warm_up(self) -> None:
+        """Nothing to compile: encode is byte-level."""
+
     # -- generation
     def cancel(self, request_id: str) -> None:
         with self._lock:
