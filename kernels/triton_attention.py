@@ -134,7 +134,9 @@ def _decode_reduce_kernel(po_ptr, plse_ptr, out_ptr, num_heads, num_splits, head
     tl.store(out_ptr + b * stride_ob + h * stride_oh + d, res.to(out_ptr.dtype.element_ty), mask=d < head_dim)
 
 
-@triton.jit
+# The batch's sequence count and block-table width change with every burst; Triton would compile a
+# variant per value class (== 1, divisible by 16, other) on first use, mid-burst (seen on the H200).
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, cu_ptr, lens_ptr, out_ptr,
                     qk_scale, block_size, num_seqs, group, head_dim, k_group, v_group,
                     stride_qt, stride_qh, stride_kn, stride_ks, stride_kh, stride_vn, stride_vs, stride_vh,

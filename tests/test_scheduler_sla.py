@@ -307,6 +307,28 @@ def test_step_stats_recover_the_step_cost_model() -> None:
     assert m.c == pytest.approx(cost.c, rel=0.02)
 
 
+
+def test_step_stats_reset_forgets_compile_stalls_and_warm_up_lengths_separately() -> None:
+    """The daemon's warm-up: its first pass compiles (stalls), its second measures; neither pass's
+    few-token sequences say how long real ones run."""
+    prior = StepModel(0.02, 0.0002, 0.001)
+    stats = StepStats(prior=prior, mean_output_tokens=128.0)
+    for _ in range(40):
+        stats.record_step(2.0, 32, 1)  # compiling
+        stats.record_finished(3, slot_s=2.0)
+    stats.reset()
+    assert stats.model == prior and stats.steps == 0 and stats.mean_output_tokens == 128.0
+    cost = StepCost(0.002, 0.00001, 0.0002)
+    rng = random.Random(1)
+    for _ in range(200):
+        p, n = rng.choice([0, rng.randrange(1, 256)]), rng.randrange(1, 32)
+        stats.record_step(cost(p, n), p, n)
+        stats.record_finished(3)
+    stats.reset(steps=False)
+    assert stats.model.a == pytest.approx(cost.a, rel=0.05) and stats.predict_step(0, 1) < prior(0, 1) / 5
+    assert stats.mean_output_tokens == 128.0
+
+
 # ----------------------------------------------------------------------------- the real tiny engine
 
 TIERS = {"gold": TierConfig(8.0, 0.001, 64, BatchWindow(0.0, 0.0, 0.0)),  # always urgent

@@ -44,6 +44,10 @@ GIL_SWITCH_S = 0.0005
 # (kernels/triton_linear.choose_config buckets M at 16/32/64/128) and per M divisible by 16 or not:
 # one length of each kind per bucket, so a burst of new prompt sizes finds them compiled.
 WARMUP_PROMPT_TOKENS = (5, 16, 24, 32, 40, 64, 100, 128, 200, 256)
+# Then batches, as a burst makes them: Triton also specializes a kernel on an integer argument equal to
+# 1 (the sequence count of every single-prompt step above), so a few sequences, then sixteen joining
+# while those decode (a mixed prefill + decode step), some of them sampled (the sampling kernels).
+WARMUP_BATCHES = ((3, 7), (16, 6))  # (prompts, tokens each)
 HEARTBEAT_S = 0.5  # heartbeats to the supervisor and engine metrics, this often
 ENGINE_STALL_S = 20.0  # no engine-loop iteration for this long: stop sending heartbeats
 
@@ -118,27 +122,62 @@ class EngineCore:
 
     def _warm_up(self) -> None:
         """Real steps through every layer before READY, so the first clients do not pay for them: one
-        prompt of each length alone (batched together they would make one step of their summed size)."""
+        prompt of each length alone (batched together they would make one step of their summed size),
+        then batches on CUDA (WARMUP_BATCHES); run twice, the second time to measure the step model."""
+        cuda = self.engine.runner.device.type == "cuda"
         # The CPU kernels compile once, not per shape: one short prompt warms everything there.
-        lengths = WARMUP_PROMPT_TOKENS if self.engine.runner.device.type == "cuda" else WARMUP_PROMPT_TOKENS[:1]
+        lengths = WARMUP_PROMPT_TOKENS if cuda else WARMUP_PROMPT_TOKENS[:1]
+        fits = [n for n in lengths if n < self.front.max_model_len - 2]
         vocab = self.engine.vocab_size
-        # distinct first tokens: a prompt sharing a cached prefix block would prefill fewer tokens than n
-        requests = [GenerationRequest(f"warmup-{n}", [(n * 131 + i * 17) % vocab for i in range(n)],
-                                      SamplingParams(temperature=0.0, max_tokens=2))
-                    for n in lengths if n < self.front.max_model_len - 2]
-        finished = threading.Event()
+        made = 0
+
+        def request(n: int, max_tokens: int = 2, sampled: bool = False) -> GenerationRequest:
+            nonlocal made
+            made += 1
+            # distinct first tokens: a prompt sharing a cached prefix block would prefill fewer tokens than n
+            ids = [(made * 131 + i * 17) % vocab for i in range(n)]
+            sampling = (SamplingParams(temperature=0.8, top_p=0.9, top_k=40, seed=made, max_tokens=max_tokens)
+                        if sampled else SamplingParams(temperature=0.0, max_tokens=max_tokens))
+            return GenerationRequest(f"warmup-{made}", ids, sampling)
+
+        pending: set[str] = set()
+        stepped, finished = threading.Event(), threading.Event()
 
         def on_outputs(outputs: list[StepOutput]) -> None:
-            if any(o.finished for o in outputs):
+            stepped.set()
+            pending.difference_update(o.request_id for o in outputs if o.finished)
+            if not pending:
                 finished.set()
+
+        def submit(batch: list[GenerationRequest]) -> None:
+            finished.clear()
+            stepped.clear()
+            pending.update(r.request_id for r in batch)
+            for r in batch:
+                self.engine.add_request(r)
+
+        def wait(event: threading.Event, what: str) -> None:
+            if not event.wait(600):
+                raise RuntimeError(f"the warm-up {what} did not finish")
+
+        def run_all() -> None:
+            for n in fits:
+                submit([request(n)])
+                wait(finished, f"prompt of {n} tokens")
+            if cuda:
+                (few, few_len), (many, many_len) = WARMUP_BATCHES
+                submit([request(few_len, max_tokens=12) for _ in range(few)])
+                wait(stepped, "batch's first step")
+                submit([request(many_len, max_tokens=4, sampled=i % 2 == 1) for i in range(many)])
+                wait(finished, "batches")
 
         self.engine.on_outputs = on_outputs
         self.engine.start(self._pin_engine_thread)
-        for request in requests:
-            finished.clear()
-            self.engine.add_request(request)
-            if not finished.wait(600):
-                raise RuntimeError(f"the warm-up prompt of {len(request.prompt_token_ids)} tokens did not finish")
+        stats = self.engine.batcher.step_stats
+        run_all()  # compiles: these step times are compile stalls
+        stats.reset()
+        run_all()  # the same steps compiled: admission starts from what they really cost
+        stats.reset(steps=False)  # but not from warm-up sequences' few tokens each
         self.engine.on_outputs = self._send_outputs
 
     def _pin_engine_thread(self) -> None:

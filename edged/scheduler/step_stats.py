@@ -76,10 +76,29 @@ class StepStats:
         self._dirty = False
         self.steps = 0
         self.last_step_s = 0.0
+        self._mean_output_prior = mean_output_tokens
         self._mean_output = mean_output_tokens
         self._finished = 0
         self._slot_s = 0.0
         self._slot_n = 0
+
+    def reset(self, *, steps: bool = True, service: bool = True) -> None:
+        """Forget what was recorded: `steps` the step-time fit (back to the prior), `service` the
+        per-sequence figures. The daemon's warm-up steps compile kernels and its sequences are a few
+        tokens long: neither says what serving costs."""
+        with self._lock:
+            if steps:
+                self._xx = [[0.0] * 3 for _ in range(3)]
+                self._xy = [0.0] * 3
+                self._model = self.prior
+                self._dirty = False
+                self.steps = 0
+                self.last_step_s = 0.0
+            if service:
+                self._mean_output = self._mean_output_prior
+                self._finished = 0
+                self._slot_s = 0.0
+                self._slot_n = 0
 
     # --- written by the engine thread ---
     def record_step(self, duration_s: float, prefill_tokens: int, batch_size: int) -> None:
