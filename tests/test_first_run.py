@@ -273,10 +273,16 @@ def test_edged_chat_without_a_prompt_keeps_the_history_across_two_turns_on_a_ter
 def test_ctrl_c_during_an_answer_cancels_it_drops_the_turn_and_asks_again(first_run) -> None:
     d, home = first_run
     master, slave = pty.openpty()
-    # Sampled (not greedy): never a cached answer that arrives whole before Ctrl-C.
-    proc = subprocess.Popen([sys.executable, "-m", "edged.cli", "chat", "--port", str(d.port), "--max-tokens", "400",
-                             "--temperature", "0.7"],
-                            stdin=slave, stdout=slave, stderr=slave, cwd=home, env=chat_env(home), close_fds=True)
+    # The chat stands for a program in the terminal's foreground, whose Ctrl-C is delivered; a suite run
+    # as a background job (`make test &`) has SIGINT ignored, which children would inherit.
+    ignored = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        # Sampled (not greedy): never a cached answer that arrives whole before Ctrl-C.
+        proc = subprocess.Popen([sys.executable, "-m", "edged.cli", "chat", "--port", str(d.port), "--max-tokens",
+                                 "400", "--temperature", "0.7"],
+                                stdin=slave, stdout=slave, stderr=slave, cwd=home, env=chat_env(home), close_fds=True)
+    finally:
+        signal.signal(signal.SIGINT, ignored)
     os.close(slave)
     buf = bytearray()
     prompt = re.compile(rb"(^|\n)(\x1b\[[0-9;?]*[A-Za-z])*> ")
