@@ -200,6 +200,20 @@ DEFINE_W4_TILE(2, 1)
 DEFINE_W4_TILE(1, 2)
 #endif
 
+/* Each row's sum of x over every group of gs columns: the factor of a group's minimum (w4 and w8). */
+static float *group_sums(const float *x, int64_t M, int64_t K, int64_t gs)
+{
+    const int64_t G = K / gs;
+    float *xs = malloc(sizeof(float) * (M * G + 1));
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t g = 0; g < G; g++) {
+            float s = 0;
+            for (int64_t k = g * gs; k < (g + 1) * gs; k++) s += x[m * K + k];
+            xs[m * G + g] = s;
+        }
+    return xs;
+}
+
 #define W4_TILE(MB, RBT) for (int r = 0; r < 4; r += RBT) \
     w4_tile_##MB##_##RBT(x + m * K, xs + m * G, K, G, gs, wt + r * 16 * (K / 2), st + r * G * 32, \
                          y + m * N + t * 64 + r * 16, N)
@@ -208,13 +222,7 @@ void edged_w4_gemm(const float *x, int64_t M, int64_t K, const uint8_t *w, const
                    int64_t N, int64_t gs, float *y, int nthreads)
 {
     const int64_t G = K / gs, tasks = N / 64;
-    float *xs = malloc(sizeof(float) * (M * G + 1));
-    for (int64_t m = 0; m < M; m++)
-        for (int64_t g = 0; g < G; g++) {
-            float s = 0;
-            for (int64_t k = g * gs; k < (g + 1) * gs; k++) s += x[m * K + k];
-            xs[m * G + g] = s;
-        }
+    float *xs = group_sums(x, M, K, gs);
     #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t t = 0; t < tasks; t++) {
         const uint8_t *wt = w + t * 64 * (K / 2);
@@ -273,13 +281,7 @@ void edged_w8_gemm(const float *x, int64_t M, int64_t K, const uint8_t *w, const
                    int64_t N, int64_t gs, float *y, int nthreads)
 {
     const int64_t G = K / gs, tasks = N / 64;
-    float *xs = malloc(sizeof(float) * (M * G + 1));
-    for (int64_t m = 0; m < M; m++)
-        for (int64_t g = 0; g < G; g++) {
-            float s = 0;
-            for (int64_t k = g * gs; k < (g + 1) * gs; k++) s += x[m * K + k];
-            xs[m * G + g] = s;
-        }
+    float *xs = group_sums(x, M, K, gs);
     #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t t = 0; t < tasks; t++) {
         const uint8_t *wt = w + t * 64 * K;

@@ -70,17 +70,8 @@ class StepStats:
         self.prior_weight = prior_weight
         self.ewma = ewma
         self._lock = threading.Lock()
-        self._xx = [[0.0] * 3 for _ in range(3)]
-        self._xy = [0.0] * 3
-        self._model = self.prior
-        self._dirty = False
-        self.steps = 0
-        self.last_step_s = 0.0
         self._mean_output_prior = mean_output_tokens
-        self._mean_output = mean_output_tokens
-        self._finished = 0
-        self._slot_s = 0.0
-        self._slot_n = 0
+        self.reset()
 
     def reset(self, *, steps: bool = True, service: bool = True) -> None:
         """Forget what was recorded: `steps` the step-time fit (back to the prior), `service` the
