@@ -31,7 +31,7 @@ from .weights import LinearWeight, concat_out, dequantize, pack_w4, quantize_w4,
 
 __all__ = [
     "LinearWeight", "concat_out", "dequantize", "pack_w4", "quantize_w4", "quantize_w8",
-    "linear", "rms_norm", "rope", "silu_and_mul", "write_kv", "attention_decode",
+    "linear", "rms_norm", "rope", "silu_and_mul", "write_kv", "rope_write_kv", "attention_decode",
     "attention_prefill", "sample", "backend_for",
 ]
 
@@ -98,6 +98,13 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
              slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
              v_scale: torch.Tensor | None = None) -> None:
     backend_for(k).write_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+
+
+def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                  cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
+    """rope(q, k, positions, cos_sin) then write_kv(k, v, ...): one launch on the GPU."""
+    backend_for(q).rope_write_kv(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
 def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -303,6 +303,14 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     v_scale.view(n * s, *v_scale.shape[2:]).index_copy_(0, slots, vs.to(v_scale.dtype))
 
 
+def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                  cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
+    """`rope` in place on q and k, then `write_kv` of the rotated k and v (two calls: nothing to fuse here)."""
+    rope(q, k, positions, cos_sin)
+    write_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+
+
 # --- attention ---------------------------------------------------------------------------------------
 
 @dataclass

@@ -21,9 +21,9 @@ def _rotate(ptr, stride_t, stride_h, t, n_heads, cos, sin, j, jm, HALF: tl.const
 
 
 @triton.jit
-def _rope_kernel(q_ptr, k_ptr, pos_ptr, cs_ptr, n_q, n_k, stride_qt, stride_qh, stride_kt, stride_kh, stride_cs,
-                 HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
+def _rope_token(q_ptr, k_ptr, pos_ptr, cs_ptr, t, n_q, n_k, stride_qt, stride_qh, stride_kt, stride_kh, stride_cs,
+                HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Token t's q and k heads, rotated in place (each thread loads and stores the same elements)."""
     pos = tl.load(pos_ptr + t).to(tl.int64)
     j = tl.arange(0, BLOCK_HALF)
     jm = j < HALF
@@ -33,17 +33,31 @@ def _rope_kernel(q_ptr, k_ptr, pos_ptr, cs_ptr, n_q, n_k, stride_qt, stride_qh, 
     _rotate(k_ptr, stride_kt, stride_kh, t, n_k, cos, sin, j, jm, HALF, BLOCK_H)
 
 
-def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> None:
-    """In place on q [T,Hq,D] and k [T,Hk,D]; cos_sin [max_pos, D] float32 (cos | sin halves)."""
-    tokens, n_q, d = q.shape
-    if tokens == 0:
-        return
+@triton.jit
+def _rope_kernel(q_ptr, k_ptr, pos_ptr, cs_ptr, n_q, n_k, stride_qt, stride_qh, stride_kt, stride_kh, stride_cs,
+                 HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    _rope_token(q_ptr, k_ptr, pos_ptr, cs_ptr, t, n_q, n_k, stride_qt, stride_qh, stride_kt, stride_kh, stride_cs,
+                HALF, BLOCK_HALF, BLOCK_H)
+
+
+def rope_launch_args(q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor) -> tuple[tuple, dict]:
+    """The arguments of _rope_kernel after (q, k, positions), and its block sizes; q and k are rotated in
+    place, so the head dimension of each must be contiguous."""
     if q.stride(-1) != 1 or k.stride(-1) != 1:
         raise ValueError("rope needs the head dimension of q and k to be contiguous")
+    n_q, d = q.shape[1], q.shape[2]
     half = d // 2
     block_half = triton.next_power_of_2(half)
     block_h = max(1, min(triton.next_power_of_2(max(n_q, k.shape[1])), 4096 // block_half))
     cs = cos_sin if cos_sin.stride(-1) == 1 else cos_sin.contiguous()
-    _rope_kernel[(tokens,)](q, k, positions, cs, n_q, k.shape[1], q.stride(0), q.stride(1), k.stride(0),
-                            k.stride(1), cs.stride(0), HALF=half, BLOCK_HALF=block_half, BLOCK_H=block_h,
-                            num_warps=4)
+    args = (cs, n_q, k.shape[1], q.stride(0), q.stride(1), k.stride(0), k.stride(1), cs.stride(0))
+    return args, dict(HALF=half, BLOCK_HALF=block_half, BLOCK_H=block_h)
+
+
+def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> None:
+    """In place on q [T,Hq,D] and k [T,Hk,D]; cos_sin [max_pos, D] float32 (cos | sin halves)."""
+    if q.shape[0] == 0:
+        return
+    args, blocks = rope_launch_args(q, k, cos_sin)
+    _rope_kernel[(q.shape[0],)](q, k, positions, *args, **blocks, num_warps=4)

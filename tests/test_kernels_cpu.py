@@ -219,6 +219,33 @@ def test_write_kv_skips_padding_and_matches_the_oracle(int8: bool, d: int, dtype
             assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("int8,d", KV_CASES)
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_rope_write_kv_is_rope_then_write_kv(int8: bool, d: int, dtype: torch.dtype, impl: str) -> None:
+    """On q, k, v views of one qkv buffer (the model's split): q and k end rotated as the oracle's rope
+    leaves them (within rope's bound), v untouched, and the caches hold exactly what the oracle's write_kv
+    writes of the rotated k and v, padding skipped."""
+    t, hq = 5, 4
+    g = torch.Generator().manual_seed(1)
+    cos_sin = torch.cat((torch.randn(64, d // 2, generator=g).cos(), torch.randn(64, d // 2, generator=g).sin()), -1)
+    positions = torch.tensor([3, 0, 17, 63, 8])
+    slots = torch.tensor([7, -1, 0, 30, -1])
+    qkv = torch.randn(t, (hq + 2 * HKV) * d, generator=g).to(dtype)
+    ref = qkv.clone()
+    q, k, v = (x.reshape(t, -1, d) for x in qkv.split([hq * d, HKV * d, HKV * d], dim=-1))
+    q2, k2, v2 = (x.reshape(t, -1, d) for x in ref.split([hq * d, HKV * d, HKV * d], dim=-1))
+    got, want = caches(int8, dtype, d), caches(int8, dtype, d)
+    cpu.rope_write_kv(q, k, v, positions, cos_sin, *got[:2], slots, *got[2:])
+    reference.rope(q2, k2, positions, cos_sin)
+    close(q, q2, 1e-6 if dtype == F32 else 8e-3)
+    close(k, k2, 1e-6 if dtype == F32 else 8e-3)
+    assert torch.equal(v, v2)
+    reference.write_kv(k, v, *want[:2], slots, *want[2:])  # the oracle's write of these rotated keys
+    for a, b in zip(got, want):
+        if a is not None:
+            assert torch.equal(a, b)
+
+
 def test_int8_keys_have_one_scale_per_32_channels() -> None:
     """The int8 layout (kernels/reference.py): an outlier channel of a key sets the scale of its own group
     of 32 channels only, and the other group keeps its resolution; the cache allocates one key scale per

@@ -211,6 +211,43 @@ def test_write_kv_exact(dtype: torch.dtype, int8: bool) -> None:
         assert torch.equal(got_s[0].cpu(), scales[2]) and torch.equal(got_s[1].cpu(), scales[3])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("int8", [False, True])
+@pytest.mark.parametrize("head_dim,hq,hk", [(128, 32, 8), (64, 32, 8), (64, 9, 3)])
+def test_rope_write_kv(dtype: torch.dtype, int8: bool, head_dim: int, hq: int, hk: int) -> None:
+    """rope and write_kv in one launch, on q, k, v split from one qkv buffer: q and k bit for bit as
+    ops.rope leaves them (so within test_rope's bound of the reference), v untouched, and the caches
+    bit-exact with the reference's write_kv of the rotated k run on the CPU (see test_write_kv_exact).
+    The reference's own rotation may differ from the kernel's by an ulp (FMA), hence the kernel's k."""
+    n, s, t = 64, 16, 333
+    qkv = torch.randn(t, (hq + 2 * hk) * head_dim, device=DEV).to(dtype)
+    pos = torch.randint(0, 8192, (t,), device=DEV)
+    inv = 1.0 / (500000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    f = torch.outer(torch.arange(8192, dtype=torch.float64), inv)
+    cs = torch.cat((f.cos(), f.sin()), -1).float().to(DEV)
+    slots = torch.randperm(n * s, device=DEV)[:t]
+    slots[::7] = -1
+    store = torch.int8 if int8 else dtype
+    groups = [reference.k_scale_groups(head_dim), reference.v_scale_groups(head_dim)] * 2
+    caches = [torch.full((n, s, hk, head_dim), 3, dtype=store) for _ in range(4)]
+    scales = [torch.full((n, s, hk, g), -1.0) if int8 else None for g in groups]
+    got = [c.to(DEV) for c in caches[:2]]
+    got_s = [None if x is None else x.to(DEV) for x in scales[:2]]
+    bufs = [qkv.clone() for _ in range(3)]  # rope_write_kv, ops.rope, reference.rope
+    views = [[x.reshape(t, -1, head_dim) for x in b.split([hq * head_dim, hk * head_dim, hk * head_dim], dim=-1)]
+             for b in bufs]
+    q, k, v = views[0]
+    ops.rope_write_kv(q, k, v, pos, cs, got[0], got[1], slots, got_s[0], got_s[1])
+    ops.rope(views[1][0], views[1][1], pos, cs)
+    reference.rope(views[2][0], views[2][1], pos, cs)
+    assert torch.equal(bufs[0], bufs[1])
+    assert rel_err(bufs[0], bufs[2]) < REL[dtype] / 4
+    reference.write_kv(k.cpu(), v.cpu(), caches[2], caches[3], slots.cpu(), scales[2], scales[3])
+    assert torch.equal(got[0].cpu(), caches[2]) and torch.equal(got[1].cpu(), caches[3])
+    if int8:
+        assert torch.equal(got_s[0].cpu(), scales[2]) and torch.equal(got_s[1].cpu(), scales[3])
+
+
 # ------------------------------------------------------------------------------------------- attention
 
 def _attn_rel(dtype: torch.dtype, int8: bool) -> float:

@@ -316,6 +316,47 @@ def test_write_kv_int8_exact_on_ties() -> None:
     assert torch.equal(kc[0, 1], want[0]) and torch.equal(ks[0, 1], scale[0])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("int8", [False, True])
+@pytest.mark.parametrize("d", [64, 96])  # 96: odd half (48) and a key scale group (32..63) across both halves
+def test_rope_write_kv_equals_rope_then_write_kv(d: int, int8: bool, dtype: torch.dtype) -> None:
+    """One launch on q, k, v split from one qkv row, as the model splits it: q and k end as after rope
+    (bit for bit as after ops.rope), v untouched, and the caches (int8 data and scales too) equal
+    reference.rope then reference.write_kv run on a clone, bit for bit; -1 slots are not written but
+    their q and k are still rotated."""
+    torch.manual_seed(0)
+    hq, hk, t, n, s = 6, 3, 7, 4, 8
+    qkv = (3 * torch.randn(t, (hq + 2 * hk) * d)).to(dtype)
+    qkv[3, (hq + 1) * d:(hq + 2) * d] = 0  # an all-zero key head: its int8 scales clamp to 1e-6 / 127
+    pos = torch.tensor([0, 1, 2, 7, 8, 30, 63])
+    slots = torch.tensor([0, 5, -1, 9, 31, -1, 17], dtype=torch.int64)
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    f = torch.outer(torch.arange(64, dtype=torch.float64), inv)
+    cs = torch.cat((f.cos(), f.sin()), -1).float()
+    store = torch.int8 if int8 else dtype
+    groups = (reference.k_scale_groups(d), reference.v_scale_groups(d))
+    runs = []
+    for fused in (True, False):
+        buf = qkv.clone()
+        q, k, v = (x.reshape(t, -1, d) for x in buf.split([hq * d, hk * d, hk * d], dim=-1))
+        caches = [torch.full((n, s, hk, d), 3, dtype=store) for _ in range(2)]
+        scales = [torch.full((n, s, hk, g), -1.0) if int8 else None for g in groups]
+        if fused:
+            ops.rope_write_kv(q, k, v, pos, cs, *caches, slots, *scales)
+        else:
+            reference.rope(q, k, pos, cs)
+            reference.write_kv(k, v, *caches, slots, *scales)
+        runs.append((buf, caches, scales))
+    (got, got_c, got_s), (want, want_c, want_s) = runs
+    torch.testing.assert_close(got, want, **TOL[dtype])
+    rope_only = qkv.clone()
+    ops.rope(rope_only[:, :hq * d].view(t, hq, d), rope_only[:, hq * d:(hq + hk) * d].view(t, hk, d), pos, cs)
+    assert torch.equal(got, rope_only)
+    assert torch.equal(got_c[0], want_c[0]) and torch.equal(got_c[1], want_c[1])
+    if int8:
+        assert torch.equal(got_s[0], want_s[0]) and torch.equal(got_s[1], want_s[1])
+
+
 # ------------------------------------------------------------------------------------------- attention
 
 @pytest.mark.parametrize("dtype", DTYPES)
