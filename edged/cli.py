@@ -90,8 +90,14 @@ def build_parser(bench_arguments: bool = True) -> argparse.ArgumentParser:
     decode.add_argument("--batch", help="batch sizes (default: 1,8,32,64 on CUDA; 1,4,8 on the CPU)")
     decode.add_argument("--steps", type=int, help="decode steps timed (default 64)")
     decode.add_argument("--peer", nargs="?", const="transformers", metavar="PEER",
-                        help="also time a peer: transformers (CUDA, the default with a bare --peer) or llama.cpp "
-                             "(CPU; needs pip install llama-cpp-python)")
+                        help="also time a peer. CUDA, at batch 1 and the same random-weight shapes: transformers "
+                             "(the default with a bare --peer; eager, static cache) or gpt-fast (its int8 "
+                             "weight-only decode under torch.compile reduce-overhead; needs --gpt-fast-dir). "
+                             "CPU: llama.cpp (needs pip install llama-cpp-python)")
+    decode.add_argument("--gpt-fast-dir", metavar="DIR",
+                        help="--peer gpt-fast: a directory holding gpt-fast's model.py and quantize.py "
+                             "(github.com/pytorch-labs/gpt-fast; not shipped with edged) "
+                             "(default: $EDGED_GPT_FAST_DIR)")
     decode.add_argument("--engine", action="store_true",
                         help="CUDA: also time the whole engine step, serial and overlapped")
     decode.add_argument("--model", help="CPU: a .gguf file (default: the embedded SmolLM2)")

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Callable
 
 import torch
 
@@ -34,6 +36,8 @@ class DecodeResult:
     step_ms: float
     weight_gb: float
     roofline_tok_s: float
+    kernels: int | None = None  # GPU kernels a decode step launches (the captured graph's kernels)
+    kernels_per_layer: float | None = None
 
     @property
     def fraction(self) -> float:
@@ -64,15 +68,53 @@ def build_model(cfg: ModelConfig, quant: str, dtype: torch.dtype) -> LlamaModel:
     return LlamaModel(cfg, weights, CONTEXT + 4096)
 
 
-def time_decode(model: LlamaModel, batch: int, steps: int, dtype: torch.dtype) -> float:
+def count_kernels(run: Callable[[], object]) -> int | None:
+    """GPU kernels that one eager call of run() launches (torch.profiler's device events; None where
+    the profiler records no device activity). What a CUDA graph captures from the same call."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == DeviceType.CUDA]
+    kernels = [n for n in names if not n.startswith(("Memcpy", "Memset", "[memory]"))]
+    return len(kernels) or None
+
+
+def step_kernels(graphs: DecodeGraphs, batch: int) -> tuple[int | None, float | None]:
+    """(kernels per decode step, per decoder layer): the step as captured (forward, logits, argmax),
+    and the same step of a one-layer copy of the model, whose difference is N - 1 layers."""
+    model = graphs.model
+    layers = len(model.weights.layers)
+
+    def step(m: LlamaModel) -> None:
+        hidden = m.forward(graphs.input_ids[:batch], graphs.positions[:batch], graphs._meta(batch), graphs.kv)
+        m.logits(hidden).argmax(dim=-1)
+
+    total = count_kernels(lambda: step(model))
+    if total is None or layers < 2:
+        return total, None
+    one = LlamaModel(model.config, replace(model.weights, layers=model.weights.layers[:1]),
+                     model.cos_sin.shape[0])
+    single = count_kernels(lambda: step(one))
+    return total, None if single is None else (total - single) / (layers - 1)
+
+
+def time_decode(model: LlamaModel, batch: int, steps: int, dtype: torch.dtype,
+                kernels: list | None = None) -> float:
     """Seconds per decode step for `batch` sequences at CONTEXT tokens (graph replay + greedy sample,
-    tokens fed back on the device: the device-side cost of a step, without the engine's host work)."""
+    tokens fed back on the device: the device-side cost of a step, without the engine's host work).
+    `kernels`, when given, receives step_kernels()' (per step, per layer)."""
     cfg = model.config
     per_seq = -(-(CONTEXT + steps + 8) // BLOCK)
     kv = KVCache.allocate(cfg.num_layers, batch * per_seq, BLOCK, cfg.num_kv_heads, cfg.head_dim, dtype, "cuda")
     graphs = DecodeGraphs(model, kv, batch, per_seq, buckets=(batch,))
     graphs.block_tables.copy_(torch.arange(batch * per_seq, dtype=torch.int32, device="cuda").view(batch, per_seq))
     graphs.capture()
+    if kernels is not None:
+        kernels.extend(step_kernels(graphs, batch))
     rows = torch.arange(batch, device="cuda")
 
     def step(i: int) -> None:
@@ -142,9 +184,10 @@ def run_decode(shapes: list[str], quants: list[str], batches: list[int], steps: 
             model = build_model(cfg, quant, dtype)
             nbytes = model.weights.nbytes
             for batch in batches:
-                dt = time_decode(model, batch, steps, dtype)
+                counts: list = []
+                dt = time_decode(model, batch, steps, dtype, counts)
                 results.append(DecodeResult(name, quant, batch, batch / dt, dt * 1e3, nbytes / 1e9,
-                                            batch * bw / nbytes))
+                                            batch * bw / nbytes, *counts))
             del model
             gc.collect()
             torch.cuda.empty_cache()
@@ -205,21 +248,47 @@ def format_engine(shapes: list[str], quants: list[str], batches: list[int], step
     return "\n".join(lines)
 
 
-def format_peers(peers: dict[tuple[str, int], float]) -> str:
-    lines = ["peer: Hugging Face transformers, static cache, eager, bfloat16, same random-weight shapes",
-             f"{'shape':<14}{'batch':>6}{'tok/s':>11}"]
-    lines += [f"{name:<14}{batch:>6}{tok_s:>11,.0f}" for (name, batch), tok_s in peers.items()]
+PEER_TITLES = {
+    "transformers": "Hugging Face transformers, static cache, eager, bfloat16",
+    "gpt-fast": "gpt-fast int8 weight-only, torch.compile reduce-overhead (inductor + CUDA graphs), static KV cache, "
+                "bfloat16 activations, greedy",
+}
+PEER_QUANT = {"transformers": "none", "gpt-fast": "w8"}  # edged's rows in the peer's weight format
+
+
+def format_peers(peers: dict[tuple[str, int], float | None], peer: str = "transformers",
+                 results: list[DecodeResult] | None = None) -> str:
+    """The peer's tok/s per (shape, batch) (None: it failed, the reason printed before), beside edged's
+    rows at the same shape and batch, one column per weight format, and edged / peer in the peer's format."""
+    edged: dict[tuple[str, int], dict[str, float]] = {}
+    for r in results or []:
+        edged.setdefault((r.shape, r.batch), {})[r.quant] = r.tok_s
+    quants = list(dict.fromkeys(r.quant for r in results or []))
+    match = PEER_QUANT.get(peer)
+    lines = [f"peer: {PEER_TITLES.get(peer, peer)}; same random-weight shapes, context {CONTEXT} tokens",
+             f"{'shape':<14}{'batch':>6}{'peer tok/s':>11}" + "".join(f"{'edged ' + q:>11}" for q in quants)
+             + (f"{'edged ' + match + '/peer':>17}" if match in quants else "")]
+    for (name, batch), tok_s in peers.items():
+        row = edged.get((name, batch), {})
+        line = f"{name:<14}{batch:>6}{'failed' if tok_s is None else f'{tok_s:,.0f}':>11}"
+        line += "".join(f"{'-' if q not in row else f'{row[q]:,.0f}':>11}" for q in quants)
+        if match in quants:
+            line += f"{'-' if tok_s is None or match not in row else f'{row[match] / tok_s:.2f}x':>17}"
+        lines.append(line)
     return "\n".join(lines)
 
 
 def format_table(bw: float, results: list[DecodeResult], peers: dict[tuple[str, int], float]) -> str:
     lines = [f"copy bandwidth: {bw / 1e12:.2f} TB/s (read + write); context {CONTEXT} tokens; bfloat16 activations",
              f"{'shape':<14}{'quant':<6}{'batch':>6}{'tok/s':>11}{'step ms':>9}{'weights GB':>11}"
-             f"{'roofline tok/s':>15}{'of roofline':>12}{'peer tok/s':>11}"]
+             f"{'roofline tok/s':>15}{'of roofline':>12}{'kernels/step':>13}{'/layer':>7}{'peer tok/s':>11}"]
     for r in results:
         peer = peers.get((r.shape, r.batch)) if r.quant == "none" else None
+        count = "-" if r.kernels is None else str(r.kernels)
+        per_layer = "-" if r.kernels_per_layer is None else f"{r.kernels_per_layer:.1f}"
         lines.append(f"{r.shape:<14}{r.quant:<6}{r.batch:>6}{r.tok_s:>11,.0f}{r.step_ms:>9.3f}{r.weight_gb:>11.2f}"
-                     f"{r.roofline_tok_s:>15,.0f}{r.fraction:>11.0%}{'' if peer is None else f'{peer:>11,.0f}'}")
+                     f"{r.roofline_tok_s:>15,.0f}{r.fraction:>11.0%}{count:>13}{per_layer:>7}"
+                     f"{'' if peer is None else f'{peer:>11,.0f}'}")
     return "\n".join(lines)
 
 
@@ -231,9 +300,17 @@ def run_decode_bench(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         print("edged bench decode --device cuda: no CUDA GPU here (--device cpu times the CPU path)")
         return 1
-    if args.peer not in (None, "transformers"):
-        print(f"edged bench decode: on CUDA the peer is transformers, not {args.peer!r}")
+    if args.peer not in (None, "transformers", "gpt-fast"):
+        print(f"edged bench decode: on CUDA the peer is transformers or gpt-fast, not {args.peer!r}")
         return 2
+    gpt_fast_dir = getattr(args, "gpt_fast_dir", None) or os.environ.get("EDGED_GPT_FAST_DIR")
+    if args.peer == "gpt-fast":  # checked before the long part: a missing checkout is a usage error
+        missing = [f for f in ("model.py", "quantize.py") if not gpt_fast_dir or not os.path.isfile(
+            os.path.join(gpt_fast_dir, f))]
+        if missing:
+            print("edged bench decode --peer gpt-fast: needs gpt-fast's model.py and quantize.py in --gpt-fast-dir "
+                  f"DIR or $EDGED_GPT_FAST_DIR ({gpt_fast_dir or 'neither given'}: no {' or '.join(missing)})")
+            return 2
     args.batch = args.batch or "1,8,32,64"
     args.steps = args.steps or 64
     shapes = [s for s in args.shapes.split(",") if s]
@@ -247,11 +324,17 @@ def run_decode_bench(args: argparse.Namespace) -> int:
     print(format_table(bw, results, {}), flush=True)
     if getattr(args, "engine", False):
         print(format_engine(shapes, quants, batches, args.steps), flush=True)
-    if args.peer:
-        peers: dict[tuple[str, int], float] = {}
+    if args.peer == "gpt-fast":
+        from edged.bench.gpt_fast_peer import gpt_fast_tok_s
+        gf_peers: dict[tuple[str, int], float | None] = {}
+        for name in shapes:  # batch 1, gpt-fast's own setting; a failure prints why and leaves "failed"
+            gf_peers[(name, 1)] = gpt_fast_tok_s(name, args.steps, gpt_fast_dir, batch=1)
+        print(format_peers(gf_peers, "gpt-fast", results), flush=True)
+    elif args.peer:
+        peers: dict[tuple[str, int], float | None] = {}
         for name in shapes:
             tok_s = peer_tok_s(name, 1, args.steps)
             if tok_s is not None:
                 peers[(name, 1)] = tok_s
-        print(format_peers(peers))
+        print(format_peers(peers, "transformers", results))
     return 0
