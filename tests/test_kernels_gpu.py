@@ -279,6 +279,26 @@ def test_attention_decode_batch32_ctx1024() -> None:
     assert rel_err(ops.attention_decode(q, kc, vc, tables, lens, 128 ** -0.5), want) < REL[torch.bfloat16]
 
 
+@pytest.mark.parametrize("batch", [1, 5])
+def test_attention_decode_split_merge_is_deterministic(batch: int) -> None:
+    """8 splits merged in the same launch by the last split of each (sequence, kv head) to arrive, in
+    split order: bit-identical across calls, and the arrival counters are back to zero after each."""
+    from edged.kernels.triton_counters import split_counters
+
+    ctx = [3000, 1, 17, 1024, 515][:batch]  # batch 5: splits of 32+ tokens, many of them empty
+    kc, vc, _, _, tables = paged_cache(ctx, 8, 128, 16, torch.bfloat16, False, seed=3)
+    q = torch.randn(batch, 32, 128, device=DEV).bfloat16()
+    lens = torch.tensor(ctx, dtype=torch.int32, device=DEV)
+    want = reference.attention_decode(q.float(), kc.float(), vc.float(), tables, lens, 128 ** -0.5)
+    counters = split_counters(q.device)  # cuda:0, the key attention_decode uses (not DEV, "cuda")
+    outs = []
+    for _ in range(3):
+        outs.append(tattn.attention_decode(q, kc, vc, tables, lens, 128 ** -0.5, num_splits=8))
+        assert not counters.any()
+    assert rel_err(outs[0], want) < REL[torch.bfloat16]
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("int8", [False, True])
 @pytest.mark.parametrize("head_dim", [64, 128])

@@ -389,6 +389,32 @@ def test_attention_decode_default_splits_and_strided_q() -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("int8", [False, True])
+def test_attention_decode_splits_merge_in_kernel(dtype: torch.dtype, int8: bool) -> None:
+    """A split decode is one launch: the last split of each (sequence, kv head) to arrive merges the
+    partials in split order (two calls agree bit for bit) and resets its arrival counter. 8 splits of
+    16 tokens over contexts of 1, 13 and 40 tokens: most splits are empty (and the merge reads their
+    lse 4 at a time here: two loads)."""
+    from edged.kernels.triton_counters import split_counters
+
+    torch.manual_seed(2)
+    hq, hkv, d = 4, 2, (64 if int8 else 32)
+    ctx = [1, 13, 40]
+    kc, vc, ks, vs, tables = _paged(ctx, hkv, d, 8, dtype, int8, seed=4)
+    q = torch.randn(len(ctx), hq, d).to(dtype)
+    lens = torch.tensor(ctx, dtype=torch.int32)
+    want = reference.attention_decode(q, kc, vc, tables, lens, d ** -0.5, ks, vs)
+    counters = split_counters(q.device)
+    for splits in (3, 8):
+        got = []
+        for _ in range(2):
+            got.append(tattn.attention_decode(q, kc, vc, tables, lens, d ** -0.5, ks, vs, num_splits=splits))
+            assert not counters.any(), splits
+        torch.testing.assert_close(got[0], want, **TOL[dtype])
+        assert torch.equal(got[0], got[1]), splits
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("int8", [False, True])
 def test_attention_prefill_with_cached_prefix(dtype: torch.dtype, int8: bool) -> None:
     torch.manual_seed(0)
     hq, hkv, d, block = 4, 2, (64 if int8 else 32), 8  # int8: two key scale groups per head
