@@ -77,8 +77,13 @@ def backend_for(t: torch.Tensor) -> ModuleType:
     return reference
 
 
-def linear(x: torch.Tensor, w: LinearWeight, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    return backend_for(x).linear(x, w, out_dtype=out_dtype)
+def linear(x: torch.Tensor, w: LinearWeight, out_dtype: torch.dtype | None = None, *,
+           norm_weight: torch.Tensor | None = None, norm_eps: float = 0.0, silu_mul: bool = False,
+           residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ W^T (+ b); optionally RMSNorm(x) or silu(gate) * up as its input and a residual add on its
+    output (reference.linear defines each; the GPU fuses them into the decode GEMV)."""
+    return backend_for(x).linear(x, w, out_dtype=out_dtype, norm_weight=norm_weight, norm_eps=norm_eps,
+                                 silu_mul=silu_mul, residual=residual)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -115,8 +115,24 @@ def _packed(w: LinearWeight) -> CpuPacked:
     return p
 
 
-def linear(x: torch.Tensor, w: LinearWeight, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """y = x @ W^T + b, accumulated in fp32, returned in out_dtype (default: x's dtype)."""
+def linear(x: torch.Tensor, w: LinearWeight, out_dtype: torch.dtype | None = None, *,
+           norm_weight: torch.Tensor | None = None, norm_eps: float = 0.0, silu_mul: bool = False,
+           residual: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ W^T + b, accumulated in fp32, returned in out_dtype (default: x's dtype); the fused
+    forms of reference.linear run as this module's own ops in turn."""
+    if norm_weight is not None:
+        x, _ = rms_norm(x, norm_weight, norm_eps)
+    if silu_mul:
+        x = silu_and_mul(x)
+    y = _linear(x, w, out_dtype)
+    if residual is None:
+        return y
+    if y.dtype == residual.dtype and y.shape == residual.shape:
+        return y.add_(residual)  # in place: y is this call's own tensor
+    return y + residual
+
+
+def _linear(x: torch.Tensor, w: LinearWeight, out_dtype: torch.dtype | None) -> torch.Tensor:
     out_dtype = out_dtype or x.dtype
     p = _packed(w)
     if p.format == "dense" and out_dtype == _F32 and x.dtype != _F32:

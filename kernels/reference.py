@@ -24,12 +24,22 @@ import torch.nn.functional as F
 from .weights import LinearWeight, dequantize
 
 
-def linear(x: torch.Tensor, w: LinearWeight, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, w: LinearWeight, out_dtype: torch.dtype | None = None, *,
+           norm_weight: torch.Tensor | None = None, norm_eps: float = 0.0, silu_mul: bool = False,
+           residual: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ W^T + b for any weight format: dequantized and accumulated in float32, returned in
-    out_dtype (default: x's dtype)."""
+    out_dtype (default: x's dtype).
+
+    The fused forms are these compositions, each op rounding as it does alone: norm_weight, the input
+    is rms_norm(x, norm_weight, norm_eps); silu_mul, it is silu_and_mul(x) (x holds 2 * in_features);
+    residual, the result is y + residual (the residual stream's add, rounded once more)."""
+    if norm_weight is not None:
+        x, _ = rms_norm(x, norm_weight, norm_eps)
+    if silu_mul:
+        x = silu_and_mul(x)
     bias = None if w.bias is None else w.bias.to(torch.float32)
-    y = F.linear(x.to(torch.float32), dequantize(w, torch.float32), bias)
-    return y.to(out_dtype or x.dtype)
+    y = F.linear(x.to(torch.float32), dequantize(w, torch.float32), bias).to(out_dtype or x.dtype)
+    return y if residual is None else y + residual
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,

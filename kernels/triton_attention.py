@@ -6,11 +6,6 @@ to the activation dtype right before tl.dot, like a dequantized weight tile (a k
 head_dim, so it cannot be applied to the dot's result).
 
 Softmax runs in base 2: scores are multiplied by scale * log2(e) once.
-
-A decode split over the context is one launch: each split program writes a normalized partial output
-and its log2-sum-exp, and the last split of its (sequence, kv head) to arrive (kernels/triton_counters.py)
-merges the partials of all splits in split order, whichever program came last (deterministic), and
-writes the output.
 """
 from __future__ import annotations
 
@@ -22,7 +17,6 @@ import triton
 import triton.language as tl
 
 from .triton_convert import i8_to_f32
-from .triton_counters import arrive, check_groups, split_counters
 
 _LOG2E = 1.4426950408889634
 
@@ -71,44 +65,14 @@ def _softmax_step(q, s, v, m_i, l_i, acc):
 
 
 @triton.jit
-def _merge_splits(po_ptr, plse_ptr, rows, num_splits, hmask, d, dmask, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-                  BLOCK_S: tl.constexpr):
-    """Outputs [BLOCK_H, BLOCK_D] of q heads from their num_splits partial softmaxes (head i's split s
-    at row rows[i] + s of po and plse): m = the largest lse, w = 2^(lse - m), sum(w o) / sum(w), summed
-    in split order 0, 1, ... whichever program merges (deterministic). plse holds each lse across a
-    whole row, so that it loads in o's layout (no layout conversion, no barrier, between splits).
-    Other programs wrote the partials: the loads bypass L1."""
-    sp = tl.arange(0, BLOCK_S)
-    mt = tl.full([BLOCK_H, BLOCK_S], float("-inf"), dtype=tl.float32)
-    for s0 in range(0, num_splits, BLOCK_S):  # the lse of BLOCK_S splits in one load
-        mt = tl.maximum(mt, tl.load(plse_ptr + (rows[:, None] + s0 + sp[None, :]) * BLOCK_D,
-                                    mask=hmask[:, None] & (s0 + sp < num_splits)[None, :], other=float("-inf"),
-                                    cache_modifier=".cg"))
-    m = tl.max(mt, axis=1)
-    m = tl.where(m == float("-inf"), 0.0, m)[:, None]  # every split empty
-    o_mask = hmask[:, None] & dmask[None, :]
-    total = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)  # the same in every column
-    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-    for s in range(num_splits):
-        off = (rows + s)[:, None] * BLOCK_D + d[None, :]
-        lse = tl.load(plse_ptr + off, mask=o_mask, other=float("-inf"), cache_modifier=".cg")
-        o = tl.load(po_ptr + off, mask=o_mask, other=0.0, cache_modifier=".cg")
-        w = tl.exp2(lse - m)
-        total += w
-        acc += o * w
-    return acc / tl.where(total > 0, total, 1.0)
-
-
-@triton.jit
-def _decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, out_ptr, po_ptr, plse_ptr, counters_ptr,
+def _decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, out_ptr, po_ptr, plse_ptr,
                    qk_scale, block_size, num_splits, num_heads, group, head_dim, k_group, v_group,
                    stride_qb, stride_qh, stride_kn, stride_ks, stride_kh, stride_vn, stride_vs, stride_vh,
                    stride_ksn, stride_kss, stride_ksh, stride_ksg, stride_vsn, stride_vss, stride_vsh, stride_vsg,
                    stride_bt, stride_ob, stride_oh,
                    INT8: tl.constexpr, SPLIT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-                   BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr):
-    """Program (sequence, kv head, split): all q heads of the kv head over one slice of the context.
-    Split: the last split of the (sequence, kv head) to finish merges the partials of all splits."""
+                   BLOCK_T: tl.constexpr):
+    """Program (sequence, kv head, split): all q heads of the kv head over one slice of the context."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -139,26 +103,35 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, out_pt
         m_i, l_i, acc = _softmax_step(q, s, v, m_i, l_i, acc)
     o_mask = gmask[:, None] & dmask[None, :]
     if SPLIT:
-        # normalized partial output and its log2-sum-exp (across the row); an empty split leaves lse = -inf
+        # normalized partial output and its log2-sum-exp; an empty split leaves lse = -inf
         safe_l = tl.where(l_i > 0, l_i, 1.0)
-        lse = tl.where(l_i > 0, m_i + tl.log2(safe_l), float("-inf"))
-        off = ((b.to(tl.int64) * num_heads + heads) * num_splits + sp)[:, None] * BLOCK_D + d[None, :]
-        tl.store(plse_ptr + off, tl.broadcast_to(lse[:, None], [BLOCK_G, BLOCK_D]), mask=o_mask)
-        tl.store(po_ptr + off, acc / safe_l[:, None], mask=o_mask)
-        # every split arrives (empty ones too); the last one sees all partials of its kv head's q heads
-        if arrive(counters_ptr, b * tl.num_programs(1) + kvh, num_splits):
-            hh = tl.arange(0, BLOCK_H)  # the kv head's q heads, without the padding of BLOCK_G
-            hmask = hh < group
-            q_heads = kvh * group + hh
-            o = _merge_splits(po_ptr, plse_ptr, (b.to(tl.int64) * num_heads + q_heads) * num_splits, num_splits,
-                              hmask, d, dmask, BLOCK_H, BLOCK_D, BLOCK_S)
-            tl.store(out_ptr + b.to(tl.int64) * stride_ob + q_heads[:, None] * stride_oh + d[None, :],
-                     o.to(out_ptr.dtype.element_ty), mask=hmask[:, None] & dmask[None, :])
+        base = (b.to(tl.int64) * num_heads + heads) * num_splits + sp
+        tl.store(plse_ptr + base, tl.where(l_i > 0, m_i + tl.log2(safe_l), float("-inf")), mask=gmask)
+        tl.store(po_ptr + base[:, None] * BLOCK_D + d[None, :], acc / safe_l[:, None], mask=o_mask)
     else:
         safe_l = tl.where(l_i > 0, l_i, 1.0)
         o = acc / safe_l[:, None]
         tl.store(out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=o_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(po_ptr, plse_ptr, out_ptr, num_heads, num_splits, head_dim, stride_ob, stride_oh,
+                          BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Program (sequence, q head): merge the splits' partial softmaxes."""
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    sp = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    base = (b * num_heads + h) * num_splits
+    lse = tl.load(plse_ptr + base + sp, mask=sp < num_splits, other=float("-inf"))
+    m = tl.max(lse, axis=0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m)
+    o = tl.load(po_ptr + (base + sp)[:, None] * BLOCK_D + d[None, :], mask=(sp < num_splits)[:, None], other=0.0)
+    total = tl.sum(w, axis=0)
+    res = tl.sum(o * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + d, res.to(out_ptr.dtype.element_ty), mask=d < head_dim)
 
 
 # The batch's sequence count and block-table width change with every burst; Triton would compile a
@@ -261,23 +234,23 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         num_splits = decode_splits(batch * n_kv, block_tables.shape[1] * k_cache.shape[1], block_t, q.device)
     split = num_splits > 1
     if split:
-        check_groups(batch * n_kv)
         po = torch.empty(batch, n_heads, num_splits, block_d, dtype=torch.float32, device=q.device)
-        plse = torch.empty(batch, n_heads, num_splits, block_d, dtype=torch.float32, device=q.device)
-        counters = split_counters(q.device)
+        plse = torch.empty(batch, n_heads, num_splits, dtype=torch.float32, device=q.device)
     else:
-        po = plse = counters = out
+        po = plse = out
     k_group, v_group, *ss = _scale_layout(k_scale, v_scale, head_dim)
-    block_h = triton.next_power_of_2(group)
     _decode_kernel[(batch, n_kv, num_splits)](
         q, k_cache, v_cache, k_scale if k_scale is not None else k_cache,
-        v_scale if v_scale is not None else v_cache, block_tables, context_lens, out, po, plse, counters,
+        v_scale if v_scale is not None else v_cache, block_tables, context_lens, out, po, plse,
         scale * _LOG2E, k_cache.shape[1], num_splits, n_heads, group, head_dim, k_group, v_group,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], *ss,
         block_tables.stride(0), out.stride(0), out.stride(1),
         INT8=k_scale is not None, SPLIT=split, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
-        BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_S=64 if on_gpu else 4,  # BLOCK_S: interpreter tests loop over it
-        num_warps=num_warps, num_stages=2 if on_gpu else 1)
+        BLOCK_T=block_t, num_warps=num_warps, num_stages=2 if on_gpu else 1)
+    if split:
+        _decode_reduce_kernel[(batch, n_heads)](
+            po, plse, out, n_heads, num_splits, head_dim, out.stride(0), out.stride(1),
+            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, num_warps=4)
     return out
 
 

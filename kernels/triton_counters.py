@@ -5,6 +5,10 @@ A kernel split into `arrivals` programs per output group writes float32 partials
 GPU scope) sums them in a fixed split order, so the result is deterministic, and resets the counter
 to zero for the next launch (CUDA graph replays included). Kernels on one stream never overlap, so
 every split kernel shares one zeroed buffer per device.
+
+Used by the decode GEMV, whose partials are a few floats per program. The batched matmul and the
+split decode attention keep a separate reduce kernel: there the last program's serial read of a
+whole tile's partials measured slower on an H200 than the extra launch.
 """
 from __future__ import annotations
 
@@ -21,6 +25,8 @@ _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 def split_counters(device: torch.device) -> torch.Tensor:
     """The device's zeroed int32 counters (allocated on first use, before any graph capture: warm-up)."""
+    if device.type == "cuda" and device.index is None:  # "cuda" and "cuda:0" are one buffer
+        device = torch.device("cuda", torch.cuda.current_device())
     buf = _COUNTERS.get(device)
     if buf is None:
         buf = _COUNTERS[device] = torch.zeros(MAX_GROUPS, dtype=torch.int32, device=device)

@@ -2,9 +2,11 @@
 
 Paths, by the number of rows M of x:
 - M == 1 (decode of one sequence): a GEMV; each program streams up to 4 weight rows against one x
-  tile, optionally split over K (partials in float32, summed by a small reduce kernel:
-  deterministic, no atomics). This is the memory-bound path that must run at DRAM bandwidth.
-  w8 and w4 weights are dequantized in float32 registers (q * scale + minimum of the group).
+  tile, optionally split over K (partials in float32, summed in split order by the last split of
+  each row block to arrive: deterministic, one launch; kernels/triton_counters.py). This is the
+  memory-bound path that must run at DRAM bandwidth. w8 and w4 weights are dequantized in float32
+  registers (q * scale + minimum of the group). Small GEMVs also take the RMSNorm or the SiLU of
+  their input in their prologue; every GEMV can add the residual in its epilogue.
 - M > 1, w8 / w4: a tiled tl.dot kernel with dequantization in the loop, split over K while the
   output tiles alone cannot fill the GPU (decode batches). Dense weights from M = 2 on go to cuBLAS.
   Both dequantize their weight tile in float32 (q * scale + minimum per group) and round it to the
@@ -25,6 +27,9 @@ import triton
 import triton.language as tl
 
 from .triton_convert import small_uint_to_f32
+from .triton_activation import silu_and_mul
+from .triton_counters import arrive, check_groups, split_counters
+from .triton_norm import rms_norm
 from .weights import LinearWeight
 
 _FORMATS = {"dense": 0, "w8": 1, "w4": 2}
@@ -41,15 +46,55 @@ def _rows_result(y0, y1, y2, y3):
 
 
 @triton.jit
-def _gemv_store(y, n, N, pid_k, bias_ptr, out_ptr, part_ptr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
+def _epilogue(y, n_ld, mask, out_ptrs, bias_ptr, res_ptrs, HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr):
+    """Bias, the result rounded once to the output dtype, then (RESIDUAL) the residual stream's add,
+    rounded again: what linear followed by the residual add of rms_norm computes, in one store."""
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + n_ld).to(tl.float32)
+    yo = y.to(out_ptrs.dtype.element_ty)
+    if RESIDUAL:
+        yo = (yo.to(tl.float32) + tl.load(res_ptrs, mask=mask, other=0.0).to(tl.float32)).to(yo.dtype)
+    tl.store(out_ptrs, yo, mask=mask)
+
+
+@triton.jit
+def _gemv_store(y, n, N, pid_n, pid_k, num_splits, bias_ptr, out_ptr, part_ptr, counters_ptr, res_ptr,
+                HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, RESIDUAL: tl.constexpr):
     mask = n < N
     n_ld = tl.minimum(n, N - 1)
     if SPLIT:
+        # partials in float32; the last split of this row block sums them in split order
         tl.store(part_ptr + pid_k * N + n, y, mask=mask)
+        if arrive(counters_ptr, pid_n, num_splits):
+            acc = tl.zeros_like(y)
+            for s in range(num_splits):
+                acc += tl.load(part_ptr + s * N + n_ld, cache_modifier=".cg")
+            _epilogue(acc, n_ld, mask, out_ptr + n, bias_ptr, res_ptr + n_ld, HAS_BIAS, RESIDUAL)
     else:
-        if HAS_BIAS:
-            y += tl.load(bias_ptr + n_ld).to(tl.float32)
-        tl.store(out_ptr + n, y.to(out_ptr.dtype.element_ty), mask=mask)
+        _epilogue(y, n_ld, mask, out_ptr + n, bias_ptr, res_ptr + n_ld, HAS_BIAS, RESIDUAL)
+
+
+@triton.jit
+def _round_as(v, dtype: tl.constexpr):
+    """v (float32) rounded to the activation dtype and back: an op's output as the next op reads it."""
+    return v.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _rms_inv(x_ptr, K, eps, BLOCK: tl.constexpr):
+    """1 / sqrt(mean(x^2) + eps) over the K values of one row (the prologue of a norm-fused GEMV)."""
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK):
+        c = k0 + tl.arange(0, BLOCK)
+        v = tl.load(x_ptr + c, mask=c < K, other=0.0).to(tl.float32)
+        acc += v * v
+    return tl.rsqrt(tl.sum(acc, axis=0) / K + eps)
+
+
+@triton.jit
+def _silu_mul(g, u):
+    """silu(g) * u in float32, triton_activation's formula."""
+    return g / (1.0 + tl.exp(-g)) * u
 
 
 @triton.jit
@@ -74,17 +119,21 @@ def _dot_row(acc, row_ptr, s_row_ptr, m_row_ptr, k, grp, xv, km, cm, FORMAT: tl.
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr, N, K, k_per_split, stride_wn,
-                 stride_sn, FORMAT: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
-                 EVEN_K: tl.constexpr, GROUP_SIZE: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
-                 VEC: tl.constexpr):
+def _gemv_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr, counters_ptr, nw_ptr, res_ptr, eps,
+                 N, K, k_per_split, num_splits, stride_wn, stride_sn, FORMAT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 SPLIT: tl.constexpr, EVEN_K: tl.constexpr, GROUP_SIZE: tl.constexpr, ROWS: tl.constexpr,
+                 BLOCK_K: tl.constexpr, VEC: tl.constexpr, NORM: tl.constexpr, SILU: tl.constexpr,
+                 RESIDUAL: tl.constexpr):
     """One row of x against ROWS (1, 2 or 4) rows of dense or w8 weights; program (row block, k split).
     Each step loads one [BLOCK_K // VEC, VEC] tile of x (a thread owns VEC consecutive columns, one
     16-byte weight load) and uses it for every weight row: x is read and converted once per ROWS
     rows, all tiles share one layout (no shuffles), and each thread keeps ROWS independent loads in
     flight. Accumulation is elementwise; the reduction happens once at the end. A w8 chunk of VEC
     columns lies inside one group (GROUP_SIZE is a multiple of VEC, or the whole row): one scale and
-    one minimum per chunk and row."""
+    one minimum per chunk and row.
+    Fused around it (decode of one sequence): NORM, x is RMSNorm(x) * nw (inverse RMS over the whole
+    row first); SILU, x holds [gate | up] (2K values) and is silu(gate) * up; each rounded to the
+    activation dtype as its own op would be. RESIDUAL adds res to the rounded result (_epilogue)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     n0 = pid_n * ROWS
@@ -105,6 +154,9 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr, 
     a1 = tl.zeros([BLOCK_K // VEC, VEC], dtype=tl.float32)
     a2 = tl.zeros([BLOCK_K // VEC, VEC], dtype=tl.float32)
     a3 = tl.zeros([BLOCK_K // VEC, VEC], dtype=tl.float32)
+    dt = x_ptr.dtype.element_ty
+    if NORM:
+        inv = _rms_inv(x_ptr, K, eps, BLOCK_K)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         k = k0 + col
         km = k < k_hi
@@ -114,6 +166,10 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr, 
             xv = tl.load(x_ptr + k).to(tl.float32)
         else:
             xv = tl.load(x_ptr + k, mask=km, other=0.0).to(tl.float32)
+        if NORM:
+            xv = _round_as(tl.load(nw_ptr + k, mask=km, other=0.0).to(tl.float32) * (xv * inv), dt)
+        if SILU:
+            xv = _round_as(_silu_mul(xv, tl.load(x_ptr + K + k, mask=km, other=0.0).to(tl.float32)), dt)
         a0 = _dot_row(a0, r0, scale_ptr + i0 * stride_sn, min_ptr + i0 * stride_sn, k, grp, xv, km, cm,
                       FORMAT, EVEN_K)
         if ROWS > 1:
@@ -127,7 +183,8 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr, 
     y = _rows_result(tl.sum(tl.sum(a0, axis=1), axis=0), tl.sum(tl.sum(a1, axis=1), axis=0),
                      tl.sum(tl.sum(a2, axis=1), axis=0), tl.sum(tl.sum(a3, axis=1), axis=0))
     n = n0 + tl.arange(0, 4)
-    _gemv_store(y, tl.where(tl.arange(0, 4) < ROWS, n, N), N, pid_k, bias_ptr, out_ptr, part_ptr, HAS_BIAS, SPLIT)
+    _gemv_store(y, tl.where(tl.arange(0, 4) < ROWS, n, N), N, pid_n, pid_k, num_splits, bias_ptr, out_ptr, part_ptr,
+                counters_ptr, res_ptr, HAS_BIAS, SPLIT, RESIDUAL)
 
 
 @triton.jit
@@ -149,6 +206,28 @@ def _x_pairs(v, X_KIND: tl.constexpr):
 
 
 @triton.jit
+def _round_words(v, X_KIND: tl.constexpr):
+    """_round_as for the dtype that _x_pairs unpacked (X_KIND)."""
+    if X_KIND == 0:
+        return v.to(tl.bfloat16).to(tl.float32)
+    elif X_KIND == 1:
+        return v.to(tl.float16).to(tl.float32)
+    else:
+        return v
+
+
+@triton.jit
+def _rms_inv_words(xw_ptr, KB, eps, X_KIND: tl.constexpr, BLOCK: tl.constexpr):
+    """_rms_inv over the 2 * KB values held as KB words."""
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for k0 in range(0, KB, BLOCK):
+        c = k0 + tl.arange(0, BLOCK)
+        e, o = _x_pairs(tl.load(xw_ptr + c, mask=c < KB, other=0), X_KIND)
+        acc += e * e + o * o
+    return tl.rsqrt(tl.sum(acc, axis=0) / (2 * KB) + eps)
+
+
+@triton.jit
 def _dot_row_w4(acc, row_ptr, s_row_ptr, m_row_ptr, byte, grp, xe, xo, cm, EVEN_K: tl.constexpr):
     if EVEN_K:
         b = tl.load(row_ptr + byte, eviction_policy="evict_first")
@@ -167,14 +246,16 @@ def _dot_row_w4(acc, row_ptr, s_row_ptr, m_row_ptr, byte, grp, xe, xo, cm, EVEN_
 
 
 @triton.jit
-def _gemv_w4_kernel(xw_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr, N, KB, kb_per_split,
-                    stride_wn, stride_sn,
+def _gemv_w4_kernel(xw_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr, counters_ptr, nw_ptr, res_ptr,
+                    eps, N, KB, kb_per_split, num_splits, stride_wn, stride_sn,
                     X_KIND: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
-                    GROUP_SIZE: tl.constexpr, ROWS: tl.constexpr, BLOCK_KB: tl.constexpr):
+                    GROUP_SIZE: tl.constexpr, ROWS: tl.constexpr, BLOCK_KB: tl.constexpr, NORM: tl.constexpr,
+                    SILU: tl.constexpr, RESIDUAL: tl.constexpr):
     """One row of x against ROWS (1, 2 or 4) rows of w4 weights (KB bytes a row), as _gemv_kernel.
     Tiles are [BLOCK_KB // 16, 16] bytes: a 16-byte chunk lies inside one group (groups are >= 16
     bytes), so it takes one scale and one minimum. x comes as words holding the pair
-    (x[2j], x[2j+1]) of byte j, unpacked once per step for all rows."""
+    (x[2j], x[2j+1]) of byte j, unpacked once per step for all rows; NORM / SILU / RESIDUAL as in
+    _gemv_kernel (nw_ptr: the norm weight as words too; SILU: gate words, then KB up words)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     n0 = pid_n * ROWS
@@ -190,6 +271,8 @@ def _gemv_w4_kernel(xw_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_p
     a1 = tl.zeros([BLOCK_KB // 16, 16], dtype=tl.float32)
     a2 = tl.zeros([BLOCK_KB // 16, 16], dtype=tl.float32)
     a3 = tl.zeros([BLOCK_KB // 16, 16], dtype=tl.float32)
+    if NORM:
+        inv = _rms_inv_words(xw_ptr, KB, eps, X_KIND, BLOCK_KB)
     for kb0 in range(b_lo, b_hi, BLOCK_KB):
         start = kb0 + chunk  # first byte of each chunk
         byte = start[:, None] + v[None, :]
@@ -200,6 +283,14 @@ def _gemv_w4_kernel(xw_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_p
         else:
             xv = tl.load(xw_ptr + byte, mask=cm[:, None], other=0)
         xe, xo = _x_pairs(xv, X_KIND)
+        if NORM:
+            we, wo = _x_pairs(tl.load(nw_ptr + byte, mask=cm[:, None], other=0), X_KIND)
+            xe = _round_words(we * (xe * inv), X_KIND)
+            xo = _round_words(wo * (xo * inv), X_KIND)
+        if SILU:
+            ue, uo = _x_pairs(tl.load(xw_ptr + KB + byte, mask=cm[:, None], other=0), X_KIND)
+            xe = _round_words(_silu_mul(xe, ue), X_KIND)
+            xo = _round_words(_silu_mul(xo, uo), X_KIND)
         a0 = _dot_row_w4(a0, w_ptr + i0 * stride_wn, scale_ptr + i0 * stride_sn, min_ptr + i0 * stride_sn,
                          byte, grp, xe, xo, cm, EVEN_K)
         if ROWS > 1:
@@ -213,7 +304,8 @@ def _gemv_w4_kernel(xw_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_p
     y = _rows_result(tl.sum(tl.sum(a0, axis=1), axis=0), tl.sum(tl.sum(a1, axis=1), axis=0),
                      tl.sum(tl.sum(a2, axis=1), axis=0), tl.sum(tl.sum(a3, axis=1), axis=0))
     n = n0 + tl.arange(0, 4)
-    _gemv_store(y, tl.where(tl.arange(0, 4) < ROWS, n, N), N, pid_k, bias_ptr, out_ptr, part_ptr, HAS_BIAS, SPLIT)
+    _gemv_store(y, tl.where(tl.arange(0, 4) < ROWS, n, N), N, pid_n, pid_k, num_splits, bias_ptr, out_ptr, part_ptr,
+                counters_ptr, res_ptr, HAS_BIAS, SPLIT, RESIDUAL)
 
 
 @triton.jit
@@ -227,11 +319,11 @@ def _u8_to(q, dtype: tl.constexpr):
 
 
 @triton.jit
-def _matmul_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr, M, N, K, k_per_split,
-                   stride_xm, stride_wn, stride_sn, stride_om,
+def _matmul_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr, res_ptr, M, N, K,
+                   k_per_split, stride_xm, stride_wn, stride_sn, stride_om, stride_rm,
                    FORMAT: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
                    GROUP_SIZE: tl.constexpr, ROW_GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, RESIDUAL: tl.constexpr):
     """x [M, K] @ W^T with W dequantized per tile to x's dtype; program (output tile, k split).
     For w4 each group is two dots: its low nibbles with x's even columns, high nibbles with odd.
     w8: GROUP_SIZE divides BLOCK_K, or (ROW_GROUP) the row is one group, whose scale and minimum are
@@ -336,27 +428,27 @@ def _matmul_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr
             mn = tl.load(min_ptr + rn64 * stride_sn).to(tl.float32)
             acc = acc * s[None, :] + xs[:, None] * mn[None, :]
     mask = (rm[:, None] < M) & (rn[None, :] < N)
+    out_ptrs = out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
+    res_ptrs = res_ptr + rm_ld.to(tl.int64)[:, None] * stride_rm + rn64[None, :]
     if SPLIT:
+        # partials in float32, summed by _splitk_reduce_kernel: a tile's partials are too large for one
+        # program to sum after the others (measured 1.2-2.3x slower than the separate reduce on an H200)
         tl.store(part_ptr + pid_k * M * N + rm[:, None] * N + rn[None, :], acc, mask=mask)
     else:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + rn64).to(tl.float32)[None, :]
-        out_ptrs = out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        _epilogue(acc, rn64[None, :], mask, out_ptrs, bias_ptr, res_ptrs, HAS_BIAS, RESIDUAL)
 
 
 @triton.jit
-def _splitk_reduce_kernel(part_ptr, bias_ptr, out_ptr, MN, N, num_splits,
-                          HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
-    """out[m, n] = sum over splits of part[s, m, n] (+ bias[n]), in a fixed order (deterministic)."""
+def _splitk_reduce_kernel(part_ptr, bias_ptr, res_ptr, out_ptr, MN, N, num_splits,
+                          HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    """out[m, n] = sum over splits of part[s, m, n] (+ bias[n], + res[m, n]: _epilogue), in a fixed
+    order (deterministic)."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < MN
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for s in range(num_splits):
         acc += tl.load(part_ptr + s * MN + offs, mask=mask, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    _epilogue(acc, offs % N, mask, out_ptr + offs, bias_ptr, res_ptr + offs, HAS_BIAS, RESIDUAL)
 
 
 _X_KINDS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
@@ -450,22 +542,48 @@ def _torch_linear(x: torch.Tensor, w: LinearWeight, out_dtype: torch.dtype) -> t
     return y.reshape(*x.shape[:-1], -1)
 
 
+FUSED_INPUT_MAX_WEIGHTS = 1 << 23
+
+
 def linear(x: torch.Tensor, w: LinearWeight, config: LinearConfig | None = None,
-           out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """y = x @ W^T + b for x [..., K], accumulated in float32, returned in out_dtype (default x's)."""
+           out_dtype: torch.dtype | None = None, *, norm_weight: torch.Tensor | None = None,
+           norm_eps: float = 0.0, silu_mul: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ W^T + b for x [..., K], accumulated in float32, returned in out_dtype (default x's).
+
+    Fused forms (reference.linear says what each computes): norm_weight, x is RMSNorm(x) * norm_weight
+    first; silu_mul, x [..., 2K] holds [gate | up] and the input is silu(gate) * up; residual, the
+    rounded result plus residual. One kernel for a single row (the decode GEMV) whatever the form;
+    several rows run the norm and the SiLU as their own kernels (the matmul adds the residual)."""
     out_dtype = out_dtype or x.dtype
     k = w.in_features
     n = w.out_features
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, k)
+    width = 2 * k if silu_mul else k
+    x2 = x.reshape(-1, width)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
     if m == 0:
         return x.new_empty(*lead, n, dtype=out_dtype)
     cfg = config or choose_config(m, n, k, w.format, x.device)
+    # RMSNorm / SiLU in the GEMV's prologue only where the GEMV is small (launch-bound): each program
+    # recomputes the row's inverse RMS or the SiLU of its columns, which on an H200 costs more than
+    # the separate kernel from about 8M weights on (w8 28672x4096: +40 us against ~3 us)
+    fuse_input = cfg.kind == "gemv" and n * k <= FUSED_INPUT_MAX_WEIGHTS
+    if not fuse_input and norm_weight is not None:
+        x2, _ = rms_norm(x2, norm_weight, norm_eps)
+        norm_weight = None
+    if not fuse_input and silu_mul:
+        x2 = silu_and_mul(x2)
+        silu_mul = False
+    res2 = None if residual is None else residual.reshape(m, n)
     if cfg.kind == "torch":
-        return _torch_linear(x, w, out_dtype)
+        y = _torch_linear(x2, w, out_dtype)
+        if res2 is not None:
+            y = y + res2  # rounds once more, as the fused epilogue does
+        return y.reshape(*lead, n)
+    if res2 is not None and (not res2.is_contiguous() or res2.dtype != out_dtype):
+        res2 = res2.to(out_dtype).contiguous()
     fmt = _FORMATS[w.format]
     if fmt and k % w.group_size:
         raise ValueError(f"in_features {k} is not a multiple of group_size {w.group_size}")
@@ -476,8 +594,12 @@ def linear(x: torch.Tensor, w: LinearWeight, config: LinearConfig | None = None,
     minimum = w.minimum if w.minimum is not None else scale
     bias = w.bias if w.bias is not None else data
     out = torch.empty(m, n, dtype=out_dtype, device=x.device)
+    res = res2 if res2 is not None else out
+    nw = norm_weight.to(x.dtype).contiguous() if norm_weight is not None else out
+    fused = dict(NORM=norm_weight is not None, SILU=silu_mul)
     split = max(1, cfg.split)
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
+    counters = split_counters(x.device) if split > 1 else out
     if cfg.kind == "gemv" and cfg.block_n not in (1, 2, 4):
         raise ValueError(f"a GEMV program takes 1, 2 or 4 weight rows, not {cfg.block_n}")
     if fmt == 2 and cfg.kind == "gemv":
@@ -486,12 +608,15 @@ def linear(x: torch.Tensor, w: LinearWeight, config: LinearConfig | None = None,
         per = -(-kb // split)
         per = -(-per // block_kb) * block_kb
         split = -(-kb // per)
-        part = part[:split]
-        _gemv_w4_kernel[(triton.cdiv(n, cfg.block_n), split)](
-            _x_words(x2), data, scale, minimum, bias, out, part, n, kb, per, data.stride(0), scale.stride(0),
-            X_KIND=_X_KINDS[x.dtype], HAS_BIAS=w.bias is not None, SPLIT=split > 1, EVEN_K=kb % block_kb == 0,
-            GROUP_SIZE=w.group_size, ROWS=cfg.block_n, BLOCK_KB=block_kb,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        rows = triton.cdiv(n, cfg.block_n)
+        if split > 1:
+            check_groups(rows)
+        _gemv_w4_kernel[(rows, split)](
+            _x_words(x2), data, scale, minimum, bias, out, part, counters,
+            _x_words(nw) if norm_weight is not None else out, res, norm_eps, n, kb, per, split, data.stride(0),
+            scale.stride(0), X_KIND=_X_KINDS[x.dtype], HAS_BIAS=w.bias is not None, SPLIT=split > 1,
+            EVEN_K=kb % block_kb == 0, GROUP_SIZE=w.group_size, ROWS=cfg.block_n, BLOCK_KB=block_kb,
+            RESIDUAL=res2 is not None, **fused, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     else:
         block_k = max(cfg.block_k, 32)
         row_group = fmt == 1 and w.group_size == k
@@ -500,25 +625,29 @@ def linear(x: torch.Tensor, w: LinearWeight, config: LinearConfig | None = None,
         per = -(-k // split)
         per = -(-per // block_k) * block_k
         split = -(-k // per)
-        part = part[:split]
         even_k = k % block_k == 0
         if cfg.kind == "gemv":
-            _gemv_kernel[(triton.cdiv(n, cfg.block_n), split)](
-                x2, data, scale, minimum, bias, out, part, n, k, per, data.stride(0),
-                scale.stride(0) if fmt else 0, FORMAT=fmt, HAS_BIAS=w.bias is not None, SPLIT=split > 1,
-                EVEN_K=even_k, GROUP_SIZE=max(w.group_size, 1), ROWS=cfg.block_n, BLOCK_K=block_k,
-                VEC=16 // data.element_size(),
+            rows = triton.cdiv(n, cfg.block_n)
+            if split > 1:
+                check_groups(rows)
+            _gemv_kernel[(rows, split)](
+                x2, data, scale, minimum, bias, out, part, counters, nw, res, norm_eps, n, k, per, split,
+                data.stride(0), scale.stride(0) if fmt else 0, FORMAT=fmt, HAS_BIAS=w.bias is not None,
+                SPLIT=split > 1, EVEN_K=even_k, GROUP_SIZE=max(w.group_size, 1), ROWS=cfg.block_n, BLOCK_K=block_k,
+                VEC=16 // data.element_size(), RESIDUAL=res2 is not None, **fused,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         else:
             tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
             _matmul_kernel[(tiles, split)](
-                x2, data, scale, minimum, bias, out, part, m, n, k, per,
-                x2.stride(0), data.stride(0), scale.stride(0) if fmt else 0, out.stride(0),
+                x2, data, scale, minimum, bias, out, part, res, m, n, k, per,
+                x2.stride(0), data.stride(0), scale.stride(0) if fmt else 0, out.stride(0), res.stride(0),
                 FORMAT=fmt, HAS_BIAS=w.bias is not None, SPLIT=split > 1, EVEN_K=even_k,
                 GROUP_SIZE=max(w.group_size, 1), ROW_GROUP=row_group, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                BLOCK_K=block_k, GROUP_M=8, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if split > 1:
-        block = 1024
-        _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
-            part, bias, out, m * n, n, split, HAS_BIAS=w.bias is not None, BLOCK=block)
+                BLOCK_K=block_k, GROUP_M=8, RESIDUAL=res2 is not None,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            if split > 1:
+                block = 1024
+                _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
+                    part, bias, res, out, m * n, n, split, HAS_BIAS=w.bias is not None, RESIDUAL=res2 is not None,
+                    BLOCK=block)
     return out.reshape(*lead, n)

@@ -55,29 +55,30 @@ class LlamaModel:
                 kv: KVCache) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm."""
         cfg = self.config
-        h = self.embed(input_ids)
-        residual: torch.Tensor | None = None
+        eps = cfg.rms_norm_eps
+        # the residual stream: each sublayer's output projection adds itself to it (the linear's
+        # epilogue) and the next projection normalizes it on the way in (its prologue)
+        residual = self.embed(input_ids)
         for i, layer in enumerate(self.weights.layers):
-            x, residual = kernels.rms_norm(h, layer.input_norm, cfg.rms_norm_eps, residual)
-            qkv = kernels.linear(x, layer.qkv)
+            qkv = kernels.linear(residual, layer.qkv, norm_weight=layer.input_norm, norm_eps=eps)
             q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
             q = q.reshape(-1, cfg.num_heads, cfg.head_dim)
             k = k.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
             v = v.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
-            kernels.rope(q, k, positions, self.cos_sin)
             k_scale = kv.k_scale[i] if kv.k_scale is not None else None
             v_scale = kv.v_scale[i] if kv.v_scale is not None else None
-            kernels.write_kv(k, v, kv.k[i], kv.v[i], meta.slot_mapping, k_scale, v_scale)
+            kernels.rope_write_kv(q, k, v, positions, self.cos_sin, kv.k[i], kv.v[i], meta.slot_mapping,
+                                  k_scale, v_scale)
             if meta.is_decode:
                 attn = kernels.attention_decode(q, kv.k[i], kv.v[i], meta.block_tables, meta.context_lens,
                                                 self.scale, k_scale, v_scale)
             else:
                 attn = kernels.attention_prefill(q, kv.k[i], kv.v[i], meta.block_tables, meta.cu_seqlens_q,
                                                  meta.context_lens, self.scale, k_scale, v_scale)
-            h = kernels.linear(attn.reshape(-1, cfg.q_size), layer.o)
-            x, residual = kernels.rms_norm(h, layer.post_norm, cfg.rms_norm_eps, residual)
-            h = kernels.linear(kernels.silu_and_mul(kernels.linear(x, layer.gate_up)), layer.down)
-        out, _ = kernels.rms_norm(h, self.weights.final_norm, cfg.rms_norm_eps, residual)
+            residual = kernels.linear(attn.reshape(-1, cfg.q_size), layer.o, residual=residual)
+            gate_up = kernels.linear(residual, layer.gate_up, norm_weight=layer.post_norm, norm_eps=eps)
+            residual = kernels.linear(gate_up, layer.down, silu_mul=True, residual=residual)
+        out, _ = kernels.rms_norm(residual, self.weights.final_norm, eps)
         return out
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -146,6 +146,31 @@ def test_linear_is_deterministic() -> None:
         assert torch.equal(ops.linear(x, w), first)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fmt", ["dense", "w8", "w4"])
+@pytest.mark.parametrize("rows", [1, 8])
+@pytest.mark.parametrize("n,k", [(576, 1536), (2048, 8192), (4096, 4096)])
+def test_linear_fused_forms(n: int, k: int, rows: int, fmt: str, dtype: torch.dtype) -> None:
+    """RMSNorm in, silu(gate) * up in, residual add out, at decode shapes (split over K by the last
+    split of each row block, small N; whole rows, large N): the composed reference ops' values,
+    deterministic, and the arrival counters back at zero."""
+    from edged.kernels.triton_counters import split_counters
+
+    torch.manual_seed(n + k + rows)
+    w = make_weight(fmt, n, k, dtype)
+    norm_w = (1.0 + 0.2 * torch.randn(k, device=DEV)).to(dtype)
+    residual = torch.randn(rows, n, device=DEV).to(dtype)
+    cases = [(torch.randn(rows, k, device=DEV).to(dtype), dict(norm_weight=norm_w, norm_eps=1e-5)),
+             (torch.randn(rows, 2 * k, device=DEV).to(dtype), dict(silu_mul=True, residual=residual)),
+             (torch.randn(rows, k, device=DEV).to(dtype), dict(residual=residual))]
+    for x, kw in cases:
+        got = ops.linear(x, w, **kw)
+        assert torch.equal(ops.linear(x, w, **kw), got)
+        assert rel_err(got, reference.linear(x.float(), w, **{key: (v.float() if torch.is_tensor(v) else v)
+                                                              for key, v in kw.items()})) < REL[dtype], kw.keys()
+        assert int(split_counters(DEV).abs().sum()) == 0
+
+
 # ------------------------------------------------------------------------------------- norm and friends
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -281,20 +306,13 @@ def test_attention_decode_batch32_ctx1024() -> None:
 
 @pytest.mark.parametrize("batch", [1, 5])
 def test_attention_decode_split_merge_is_deterministic(batch: int) -> None:
-    """8 splits merged in the same launch by the last split of each (sequence, kv head) to arrive, in
-    split order: bit-identical across calls, and the arrival counters are back to zero after each."""
-    from edged.kernels.triton_counters import split_counters
-
+    """8 context splits, many of them empty, merged in split order: bit-identical across calls."""
     ctx = [3000, 1, 17, 1024, 515][:batch]  # batch 5: splits of 32+ tokens, many of them empty
     kc, vc, _, _, tables = paged_cache(ctx, 8, 128, 16, torch.bfloat16, False, seed=3)
     q = torch.randn(batch, 32, 128, device=DEV).bfloat16()
     lens = torch.tensor(ctx, dtype=torch.int32, device=DEV)
     want = reference.attention_decode(q.float(), kc.float(), vc.float(), tables, lens, 128 ** -0.5)
-    counters = split_counters(q.device)  # cuda:0, the key attention_decode uses (not DEV, "cuda")
-    outs = []
-    for _ in range(3):
-        outs.append(tattn.attention_decode(q, kc, vc, tables, lens, 128 ** -0.5, num_splits=8))
-        assert not counters.any()
+    outs = [tattn.attention_decode(q, kc, vc, tables, lens, 128 ** -0.5, num_splits=8) for _ in range(3)]
     assert rel_err(outs[0], want) < REL[torch.bfloat16]
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
