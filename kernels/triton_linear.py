@@ -547,13 +547,15 @@ FUSED_INPUT_MAX_WEIGHTS = 1 << 23
 
 def linear(x: torch.Tensor, w: LinearWeight, config: LinearConfig | None = None,
            out_dtype: torch.dtype | None = None, *, norm_weight: torch.Tensor | None = None,
-           norm_eps: float = 0.0, silu_mul: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
+           norm_eps: float = 0.0, silu_mul: bool = False, residual: torch.Tensor | None = None,
+           fuse_input: bool | None = None) -> torch.Tensor:
     """y = x @ W^T + b for x [..., K], accumulated in float32, returned in out_dtype (default x's).
 
     Fused forms (reference.linear says what each computes): norm_weight, x is RMSNorm(x) * norm_weight
     first; silu_mul, x [..., 2K] holds [gate | up] and the input is silu(gate) * up; residual, the
     rounded result plus residual. One kernel for a single row (the decode GEMV) whatever the form;
-    several rows run the norm and the SiLU as their own kernels (the matmul adds the residual)."""
+    several rows run the norm and the SiLU as their own kernels (the matmul adds the residual).
+    fuse_input overrides the size rule for the norm and the SiLU of a single row (benchmarks)."""
     out_dtype = out_dtype or x.dtype
     k = w.in_features
     n = w.out_features
@@ -569,7 +571,9 @@ def linear(x: torch.Tensor, w: LinearWeight, config: LinearConfig | None = None,
     # RMSNorm / SiLU in the GEMV's prologue only where the GEMV is small (launch-bound): each program
     # recomputes the row's inverse RMS or the SiLU of its columns, which on an H200 costs more than
     # the separate kernel from about 8M weights on (w8 28672x4096: +40 us against ~3 us)
-    fuse_input = cfg.kind == "gemv" and n * k <= FUSED_INPUT_MAX_WEIGHTS
+    if fuse_input is None:
+        fuse_input = n * k <= FUSED_INPUT_MAX_WEIGHTS
+    fuse_input = fuse_input and cfg.kind == "gemv"
     if not fuse_input and norm_weight is not None:
         x2, _ = rms_norm(x2, norm_weight, norm_eps)
         norm_weight = None

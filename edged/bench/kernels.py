@@ -79,6 +79,43 @@ def gemv_time(fmt: str, n: int, k: int, m: int = 1, dtype=torch.bfloat16, config
     return t, ws[0].nbytes
 
 
+def fused_times(fmt: str, n: int, k: int, dtype=torch.bfloat16, copies: int = 4) -> dict[str, float]:
+    """Seconds per decode (M = 1) linear call in each fused form and as the separate kernels it
+    replaces: plain; RMSNorm in (fused / rms_norm kernel + linear); silu(gate) * up in (fused /
+    silu_and_mul + linear); residual add out (fused / linear + add)."""
+    ws = _weights(fmt, n, k, dtype, 32, copies)
+    x = torch.randn(1, k, device=DEV).to(dtype)
+    gu = torch.randn(1, 2 * k, device=DEV).to(dtype)
+    nw = torch.ones(k, device=DEV).to(dtype)
+    res = torch.randn(1, n, device=DEV).to(dtype)
+    w = lambda i: ws[i % copies]  # noqa: E731
+    forms = {
+        "plain": lambda i=0: tlin.linear(x, w(i)),
+        "norm fused": lambda i=0: tlin.linear(x, w(i), norm_weight=nw, norm_eps=1e-5, fuse_input=True),
+        "norm apart": lambda i=0: tlin.linear(ops.rms_norm(x, nw, 1e-5)[0], w(i)),
+        "silu fused": lambda i=0: tlin.linear(gu, w(i), silu_mul=True, fuse_input=True),
+        "silu apart": lambda i=0: tlin.linear(ops.silu_and_mul(gu), w(i)),
+        "residual fused": lambda i=0: tlin.linear(x, w(i), residual=res),
+        "residual apart": lambda i=0: tlin.linear(x, w(i)) + res,
+    }
+    return {name: _graph_time(fn) for name, fn in forms.items()}
+
+
+def fused_report() -> None:
+    """The fused decode GEMV forms against the separate kernels, at SmolLM2, Llama-3.2-1B and 8B shapes."""
+    names = ["plain", "norm fused", "norm apart", "silu fused", "silu apart", "residual fused", "residual apart"]
+    print("decode linear (M = 1, bf16), us per call, fused forms against the separate kernels "
+          f"(linear fuses its input below {tlin.FUSED_INPUT_MAX_WEIGHTS:,} weights)", flush=True)
+    print(f"{'fmt':6}{'N x K':>13}" + "".join(f"{n:>16}" for n in names), flush=True)
+    for n, k in ((960, 576), (576, 1536), (3072, 2048), (2048, 8192), (6144, 4096), (4096, 14336)):
+        for fmt in ("w8", "w4", "dense"):
+            try:
+                t = fused_times(fmt, n, k)
+                print(f"{fmt:6}{f'{n}x{k}':>13}" + "".join(f"{t[name] * 1e6:>16.1f}" for name in names), flush=True)
+            except Exception as e:  # noqa: BLE001 - keep measuring the rest
+                print(f"{fmt:6}{f'{n}x{k}':>13} FAILED {type(e).__name__}: {e}", flush=True)
+
+
 def kv_bytes(batch: int, ctx: int, hkv: int, d: int, int8: bool) -> int:
     """K and V bytes a decode call reads: bf16 values, or int8 values and their float32 scales (per token and
     kv head: keys one per 32 channels, values one)."""
@@ -155,6 +192,7 @@ def report(sweep: bool = False) -> None:
             print(f"attention_prefill T={tokens} hd128 bf16: {t * 1e6:8.1f} us {flops / t / 1e12:6.0f} TFLOP/s", flush=True)
         except Exception as e:  # noqa: BLE001
             print(f"attention_prefill T={tokens} FAILED {type(e).__name__}: {e}", flush=True)
+    fused_report()
     if sweep:
         sweep_configs(copy)
 
