@@ -131,6 +131,9 @@ class QuicConfig:
     max_tickets: int = _f(100_000, gt=0)  # rows kept in <state_dir>/quic_tickets.sqlite, oldest dropped
     # reno-floor: New Reno whose window stays >= 10 datagrams (edged/server/quic_congestion.py says why)
     congestion_control: str = _f("reno-floor", choices=("reno-floor", "reno", "cubic"))
+    # 1-RTT datagrams of at most this many bytes (token deltas) are sent twice (quic_redundancy.py); 0: off
+    duplicate_datagram_bytes: int = _f(0, ge=0, le=1500)
+    duplicate_delay_ms: float = _f(2.0, ge=0, le=100)  # the second copy this much later
 
 
 @dataclass(slots=True)
@@ -635,7 +638,8 @@ def apply_overrides(config: Config, *, listen: str | None = None, state_dir: str
 
 # Keys (or prefixes) whose change takes effect only after a restart; everything else applies live.
 RESTART_REQUIRED = ("model", "server.listen", "server.workers", "server.tcp", "server.certfile", "server.keyfile",
-                    "server.state_dir", "server.quic.congestion_control", "cache.host_spill_bytes",
+                    "server.state_dir", "server.quic.congestion_control", "server.quic.duplicate_datagram_bytes",
+                    "server.quic.duplicate_delay_ms", "cache.host_spill_bytes",
                     "scheduler.pin_threads")
 
 

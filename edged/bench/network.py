@@ -45,6 +45,7 @@ class NetworkConfig:
     max_tokens: int = 256
     reps: int = 3
     quic_ccs: list[str] = field(default_factory=lambda: ["reno"])
+    quic_duplicates: list[int] = field(default_factory=lambda: [0])  # server.quic.duplicate_datagram_bytes
     returning_reps: int = 5
     quic_initial_rtt_ms: float | None = None
     step_ms: float = 20.0
@@ -75,6 +76,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "two), reno-floor (New Reno whose window never drops below the initial 10 datagrams: a "
                         "lab variant); the HTTP/3 cases run once per value, the daemon restarted for each "
                         "(default: %(default)s, aioquic's default)")
+    p.add_argument("--quic-duplicate", default="0", metavar="BYTES",
+                   help="the daemon's server.quic.duplicate_datagram_bytes (1-RTT datagrams up to this size sent "
+                        "twice; 0: off), comma-separated to compare: the HTTP/3 cases run once per congestion "
+                        "control and value (default: %(default)s)")
     p.add_argument("--tcp-cc", metavar="NAME",
                    help="the kernel's TCP congestion control in both namespaces, for HTTP/2: one of "
                         "net.ipv4.tcp_allowed_congestion_control (default: the host's default, which a new "
@@ -123,6 +128,7 @@ def config_from_args(args: argparse.Namespace) -> NetworkConfig:
     cfg = NetworkConfig(losses=parse_list(args.loss, "--loss", int), delays_ms=parse_list(args.delay, "--delay", float),
                         streams=args.streams, max_tokens=args.tokens, reps=args.reps,
                         quic_ccs=[c.strip() for c in args.quic_cc.split(",") if c.strip()],
+                        quic_duplicates=parse_list(args.quic_duplicate, "--quic-duplicate", int),
                         returning_reps=args.returning_reps, quic_initial_rtt_ms=args.quic_initial_rtt, step_ms=args.step_ms,
                         tcp_cc=args.tcp_cc, warm_up=not args.quick,
                         model=args.model, ready_timeout_s=args.ready_timeout)
@@ -140,6 +146,8 @@ def config_from_args(args: argparse.Namespace) -> NetworkConfig:
     bad = [c for c in cfg.quic_ccs if c not in QUIC_CCS]
     if bad or not cfg.quic_ccs:
         raise ValueError(f"--quic-cc: one or more of {', '.join(QUIC_CCS)}, got {args.quic_cc!r}")
+    if any(not 0 <= v <= 1500 for v in cfg.quic_duplicates) or not cfg.quic_duplicates:
+        raise ValueError(f"--quic-duplicate: datagram sizes from 0 (off) to 1500, got {args.quic_duplicate!r}")
     if cfg.model and not Path(cfg.model).exists():
         raise ValueError(f"--model: {cfg.model} does not exist")
     return cfg
@@ -249,20 +257,35 @@ class NetworkRun:
             env[INITIAL_RTT_ENV] = str(self.cfg.quic_initial_rtt_ms)
         return env
 
-    def run_variant(self, cc: str, first: bool) -> None:
-        """A daemon with QUIC congestion control `cc`, every case over HTTP/3 (and HTTP/2 and the
-        returning client on the `first` daemon only: they do not depend on it), SIGTERM."""
+    def variant_config(self, duplicate: int) -> Path:
+        """config.yaml, or a copy with server.quic.duplicate_datagram_bytes set."""
+        import yaml
+
+        if not duplicate:
+            return self.config_path
+        data = yaml.safe_load(self.config_path.read_text())
+        data["server"].setdefault("quic", {})["duplicate_datagram_bytes"] = duplicate
+        path = self.config_path.with_name(f"config-duplicate-{duplicate}.yaml")
+        path.write_text(yaml.safe_dump(data, sort_keys=False))
+        return path
+
+    def run_variant(self, cc: str, duplicate: int, first: bool) -> None:
+        """A daemon with QUIC congestion control `cc` (and small datagrams sent twice when `duplicate`),
+        every case over HTTP/3 (and HTTP/2 and the returning client on the `first` daemon only: they do
+        not depend on it), SIGTERM."""
         from edged.bench.netns_lab import SERVER_ADDR
 
         self.lab.set_delay(0)
         self.lab.set_loss(0)
         t = time.perf_counter()
-        daemon = start_daemon(self.lab.netns_exec(self.lab.server_ns), self.config_path, self.daemon_env(cc))
+        daemon = start_daemon(self.lab.netns_exec(self.lab.server_ns), self.variant_config(duplicate),
+                              self.daemon_env(cc))
         try:
             daemon.wait_ready(self.cfg.ready_timeout_s)
             _say(f"edged ready in its namespace at {SERVER_ADDR}:{SERVER_PORT} in {time.perf_counter() - t:.1f} s "
-                 f"(QUIC congestion control: {cc})")
-            protos = [("h3", f"h3/{cc}")] + ([("h2", f"h2/{self.tcp_cc}")] if first else [])
+                 f"(QUIC congestion control: {cc}, datagrams sent twice up to {duplicate} bytes)")
+            h3 = f"h3/{cc}" + (f"+dup{duplicate}" if duplicate else "")
+            protos = [("h3", h3)] + ([("h2", f"h2/{self.tcp_cc}")] if first else [])
             if self.cfg.warm_up:  # not counted: the first batch of a fresh daemon is slow
                 for proto, _ in protos:
                     self.client.call({"op": "streams", "proto": proto, "streams": self.cfg.streams, "max_tokens": 16})
@@ -344,8 +367,9 @@ def run_network(cfg: NetworkConfig, workdir: Path) -> dict[str, Any]:
         client = ClientProcess.start(lab.netns_exec(lab.client_ns), SERVER_ADDR, SERVER_PORT, ca_file)
         run = NetworkRun(cfg, lab, client, config_path, lab.tcp_congestion_control(), loads=[load_average()])
         try:
-            for k, cc in enumerate(cfg.quic_ccs):
-                run.run_variant(cc, first=k == 0)
+            variants = [(cc, dup) for cc in cfg.quic_ccs for dup in cfg.quic_duplicates]
+            for k, (cc, dup) in enumerate(variants):
+                run.run_variant(cc, dup, first=k == 0)
         finally:
             client.close()
         if lab.wire is not None and lab.wire.error is not None:
@@ -355,6 +379,7 @@ def run_network(cfg: NetworkConfig, workdir: Path) -> dict[str, Any]:
     checks = acceptance(run.cases, run.returning)
     meta = {"losses_pct": cfg.losses, "delays_ms": cfg.delays_ms, "streams": cfg.streams, "tokens": cfg.max_tokens,
             "reps": cfg.reps, "step_ms": cfg.step_ms, "stall_ms": cfg.stall_ms, "quic_ccs": cfg.quic_ccs,
+            "quic_duplicate_datagram_bytes": cfg.quic_duplicates,
             "quic_initial_rtt_ms": cfg.quic_initial_rtt_ms, "tcp_congestion_control": run.tcp_cc,
             "model": cfg.model or "tiny random-weight (default tokenizer)", "cpus": os.cpu_count(),
             "load_average_1m": run.loads, "duration_s": round(time.perf_counter() - started, 1)}

@@ -43,6 +43,7 @@ from edged.log import fields
 from edged.server import quic_congestion  # noqa: F401  (registers "reno-floor" with aioquic)
 from edged.server.quic_early_data import replay_safe
 from edged.server.quic_listener import EdgedQuicServer
+from edged.server.quic_redundancy import DuplicatingTransport
 from edged.server.quic_routing import CidRoute
 from edged.server.quic_tickets import TicketStore
 from edged.server.request import HttpRequest, RequestHandler, merge_headers
@@ -153,6 +154,13 @@ class HttpServerProtocol(QuicConnectionProtocol):
         self._held: list[RequestStream] = []  # early-data requests waiting for the handshake
         self._handshake_timer: asyncio.TimerHandle | None = self._loop.call_later(
             server.settings.quic_handshake_timeout_s, self._handshake_timed_out)
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        settings = self.server.settings
+        if settings.quic_duplicate_datagram_bytes > 0:
+            transport = DuplicatingTransport(transport, settings.quic_duplicate_datagram_bytes,  # type: ignore[arg-type]
+                                             settings.quic_duplicate_delay_s, self._loop)
+        super().connection_made(transport)
 
     @property
     def http(self) -> H3Connection:

@@ -63,6 +63,8 @@ def server_settings(config: Config, worker: str | None = None) -> ServerSettings
         quic_retry_above_unvalidated_per_address=config.server.quic.retry_above_unvalidated_per_address,
         quic_handshake_timeout_s=config.server.quic.handshake_timeout_s,
         quic_congestion_control=config.server.quic.congestion_control,
+        quic_duplicate_datagram_bytes=config.server.quic.duplicate_datagram_bytes,
+        quic_duplicate_delay_s=config.server.quic.duplicate_delay_ms / 1000.0,
     )
 
 
