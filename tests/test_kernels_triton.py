@@ -220,10 +220,14 @@ _FUSED_FORMS = {"norm": dict(norm=True), "silu": dict(silu_mul=True), "residual"
                 "silu+residual": dict(silu_mul=True, residual=True)}
 
 
-@pytest.mark.parametrize("fmt", ["dense", "w8", "w4"])
-@pytest.mark.parametrize("form,dtype", [(f, torch.float16) for f in _FUSED_FORMS]
-                         + [("norm", torch.float32), ("silu+residual", torch.float32)])
-@pytest.mark.parametrize("rows,cfg", [(1, ("gemv", 1, 4, 32, 3)), (6, ("matmul", 16, 32, 32, 2))])
+_GEMV, _MATMUL = ("gemv", 1, 4, 32, 3), ("matmul", 16, 32, 32, 2)
+
+
+@pytest.mark.parametrize("fmt,form,dtype,rows,cfg",
+                         [(fmt, form, torch.float16, 1, _GEMV) for fmt in ("dense", "w8", "w4") for form in _FUSED_FORMS]
+                         + [("w4", "norm", torch.float32, 1, _GEMV), ("w8", "silu+residual", torch.float32, 1, _GEMV)]
+                         + [(fmt, "residual", torch.float16, 6, _MATMUL) for fmt in ("w8", "w4")]
+                         + [("w8", "silu+residual", torch.float32, 6, _MATMUL), ("w4", "norm", torch.float16, 6, _MATMUL)])
 def test_linear_fused_forms_equal_the_composed_ops(fmt: str, form: str, rows: int, cfg, dtype: torch.dtype) -> None:
     """RMSNorm in, silu(gate) * up in, the residual add out: the same values as reference.linear's
     composition of the separate ops (each rounded to the activation dtype), split or not, and a split
