@@ -131,8 +131,9 @@ class QuicConfig:
     max_tickets: int = _f(100_000, gt=0)  # rows kept in <state_dir>/quic_tickets.sqlite, oldest dropped
     # reno-floor: New Reno whose window stays >= 10 datagrams (edged/server/quic_congestion.py says why)
     congestion_control: str = _f("reno-floor", choices=("reno-floor", "reno", "cubic"))
-    # 1-RTT datagrams of at most this many bytes (token deltas) are sent twice (quic_redundancy.py); 0: off
-    duplicate_datagram_bytes: int = _f(0, ge=0, le=1500)
+    # 1-RTT datagrams up to this size are sent twice while the connection is application-limited (a
+    # token stream): quic_redundancy.py; 0: off
+    duplicate_datagram_bytes: int = _f(1500, ge=0, le=1500)
     duplicate_delay_ms: float = _f(2.0, ge=0, le=100)  # the second copy this much later
 
 

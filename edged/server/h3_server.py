@@ -159,8 +159,13 @@ class HttpServerProtocol(QuicConnectionProtocol):
         settings = self.server.settings
         if settings.quic_duplicate_datagram_bytes > 0:
             transport = DuplicatingTransport(transport, settings.quic_duplicate_datagram_bytes,  # type: ignore[arg-type]
-                                             settings.quic_duplicate_delay_s, self._loop)
+                                             settings.quic_duplicate_delay_s, self._loop, self._application_limited)
         super().connection_made(transport)
+
+    def _application_limited(self) -> bool:
+        """Less than half the congestion window in flight (aioquic keeps both in its loss recovery)."""
+        loss = self._quic._loss
+        return 2 * loss.bytes_in_flight <= loss.congestion_window
 
     @property
     def http(self) -> H3Connection:

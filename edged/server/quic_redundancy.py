@@ -9,14 +9,17 @@ need both copies lost: 0.09% of steps instead of 3% at 3% random loss. The recei
 copy it does not need (RFC 9000 12.3: a packet number is processed once), and the sender's loss
 recovery sees one packet, acknowledged when either copy arrives.
 
-Only short-header (1-RTT) datagrams of at most `max_bytes` are copied: handshake packets and bulk
-data (a long completion, the chat page) go once. The cost is the copies' bytes and one more send
-per small datagram: on a token stream, about twice the upstream packets and bytes. `server.quic.
-duplicate_datagram_bytes` sets max_bytes (0: off); `edged bench network` measures the effect.
+Only short-header (1-RTT) datagrams of at most `max_bytes` are copied, and only while the connection
+is application-limited (`light()`: less than half its congestion window in flight, as a token stream
+is): handshake packets and bulk data that fills the window (a long completion, the chat page) go
+once, so the copies never double a sender that the congestion controller is pacing. The cost is the
+copies' bytes and one more send per datagram of a token stream: about twice its upstream packets.
+`server.quic.duplicate_datagram_bytes` sets max_bytes (0: off); `edged bench network` measures it.
 """
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 
@@ -25,8 +28,9 @@ class DuplicatingTransport:
     else is the wrapped transport's (the listener shares one among all connections)."""
 
     def __init__(self, transport: asyncio.DatagramTransport, max_bytes: int, delay_s: float,
-                 loop: asyncio.AbstractEventLoop) -> None:
+                 loop: asyncio.AbstractEventLoop, light: Callable[[], bool] = lambda: True) -> None:
         self._transport = transport
+        self._light = light
         self.max_bytes = max_bytes
         self.delay_s = delay_s
         self._loop = loop
@@ -34,7 +38,7 @@ class DuplicatingTransport:
 
     def sendto(self, data: bytes, addr: Any = None) -> None:
         self._transport.sendto(data, addr)
-        if len(data) <= self.max_bytes and data and not data[0] & 0x80:  # short header: 1-RTT
+        if len(data) <= self.max_bytes and data and not data[0] & 0x80 and self._light():  # short header: 1-RTT
             if self.delay_s > 0:
                 self._loop.call_later(self.delay_s, self._copy, data, addr)
             else:
