@@ -235,7 +235,7 @@ def test_linear_fused_forms_equal_the_composed_ops(fmt: str, form: str, rows: in
     from edged.kernels.triton_counters import split_counters
 
     torch.manual_seed(len(form) * 7 + rows)
-    k, n = 128, 40
+    k, n = 64, 40  # two w4 groups; the GEMV config below splits K in two
     w = _weight(fmt, n, k, dtype, bias=True)
     spec = _FUSED_FORMS[form]
     x = torch.randn(rows, 2 * k if spec.get("silu_mul") else k).to(dtype)
@@ -427,8 +427,7 @@ def test_attention_decode_default_splits_and_strided_q() -> None:
     torch.testing.assert_close(got, want, **TOL[torch.float32])
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("int8", [False, True])
+@pytest.mark.parametrize("dtype,int8", [(torch.float16, True), (torch.float32, False)])
 def test_attention_decode_splits_merge_in_split_order(dtype: torch.dtype, int8: bool) -> None:
     """8 splits of 16 tokens over contexts of 1, 13 and 40 tokens (most splits empty) and 3 splits:
     the reference's values, and two calls agree bit for bit."""
