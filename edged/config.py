@@ -133,7 +133,7 @@ class QuicConfig:
     congestion_control: str = _f("reno-floor", choices=("reno-floor", "reno", "cubic"))
     # 1-RTT datagrams up to this size are sent twice while the connection is application-limited (a
     # token stream): quic_redundancy.py; 0: off
-    duplicate_datagram_bytes: int = _f(1500, ge=0, le=1500)
+    duplicate_datagram_bytes: int = _f(0, ge=0, le=1500)
     duplicate_delay_ms: float = _f(2.0, ge=0, le=100)  # the second copy this much later
 
 

@@ -340,8 +340,8 @@ def test_only_small_short_header_datagrams_of_a_light_sender_are_sent_twice() ->
 
 
 def test_a_stream_over_duplicated_datagrams_has_the_same_text(certs) -> None:
-    """The 1-RTT datagrams of a light connection arrive twice (the default): the client discards the
-    copies (RFC 9000 12.3) and the streamed text equals a run without them."""
+    """The 1-RTT datagrams of a light connection arrive twice: the client discards the copies
+    (RFC 9000 12.3) and the streamed text equals a run without them."""
     from edged.server.h3_server import serve
     from edged.server.quic_redundancy import DuplicatingTransport
     from edged.server.routes import Router

@@ -45,7 +45,7 @@ class NetworkConfig:
     max_tokens: int = 256
     reps: int = 3
     quic_ccs: list[str] = field(default_factory=lambda: ["reno"])
-    quic_duplicates: list[int] = field(default_factory=lambda: [1500])  # server.quic.duplicate_datagram_bytes
+    quic_duplicates: list[int] = field(default_factory=lambda: [0])  # server.quic.duplicate_datagram_bytes
     returning_reps: int = 5
     quic_initial_rtt_ms: float | None = None
     step_ms: float = 20.0
@@ -76,7 +76,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "two), reno-floor (New Reno whose window never drops below the initial 10 datagrams: a "
                         "lab variant); the HTTP/3 cases run once per value, the daemon restarted for each "
                         "(default: %(default)s, aioquic's default)")
-    p.add_argument("--quic-duplicate", default="1500", metavar="BYTES",
+    p.add_argument("--quic-duplicate", default="0", metavar="BYTES",
                    help="the daemon's server.quic.duplicate_datagram_bytes (1-RTT datagrams up to this size sent "
                         "twice; 0: off), comma-separated to compare: the HTTP/3 cases run once per congestion "
                         "control and value (default: %(default)s)")
