@@ -545,6 +545,14 @@ def _torch_linear(x: torch.Tensor, w: LinearWeight, out_dtype: torch.dtype) -> t
 FUSED_INPUT_MAX_WEIGHTS = 1 << 23
 
 
+def _gemv_counters(device: torch.device, rows: int, split: int, unused: torch.Tensor) -> torch.Tensor:
+    """The arrival counters of a GEMV split over K (one per row block), or any tensor when unsplit."""
+    if split == 1:
+        return unused
+    check_groups(rows)
+    return split_counters(device)
+
+
 def linear(x: torch.Tensor, w: LinearWeight, config: LinearConfig | None = None,
            out_dtype: torch.dtype | None = None, *, norm_weight: torch.Tensor | None = None,
            norm_eps: float = 0.0, silu_mul: bool = False, residual: torch.Tensor | None = None,
@@ -603,7 +611,6 @@ def linear(x: torch.Tensor, w: LinearWeight, config: LinearConfig | None = None,
     fused = dict(NORM=norm_weight is not None, SILU=silu_mul)
     split = max(1, cfg.split)
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
-    counters = split_counters(x.device) if split > 1 else out
     if cfg.kind == "gemv" and cfg.block_n not in (1, 2, 4):
         raise ValueError(f"a GEMV program takes 1, 2 or 4 weight rows, not {cfg.block_n}")
     if fmt == 2 and cfg.kind == "gemv":
@@ -613,10 +620,8 @@ def linear(x: torch.Tensor, w: LinearWeight, config: LinearConfig | None = None,
         per = -(-per // block_kb) * block_kb
         split = -(-kb // per)
         rows = triton.cdiv(n, cfg.block_n)
-        if split > 1:
-            check_groups(rows)
         _gemv_w4_kernel[(rows, split)](
-            _x_words(x2), data, scale, minimum, bias, out, part, counters,
+            _x_words(x2), data, scale, minimum, bias, out, part, _gemv_counters(x.device, rows, split, out),
             _x_words(nw) if norm_weight is not None else out, res, norm_eps, n, kb, per, split, data.stride(0),
             scale.stride(0), X_KIND=_X_KINDS[x.dtype], HAS_BIAS=w.bias is not None, SPLIT=split > 1,
             EVEN_K=kb % block_kb == 0, GROUP_SIZE=w.group_size, ROWS=cfg.block_n, BLOCK_KB=block_kb,
@@ -632,10 +637,8 @@ def linear(x: torch.Tensor, w: LinearWeight, config: LinearConfig | None = None,
         even_k = k % block_k == 0
         if cfg.kind == "gemv":
             rows = triton.cdiv(n, cfg.block_n)
-            if split > 1:
-                check_groups(rows)
             _gemv_kernel[(rows, split)](
-                x2, data, scale, minimum, bias, out, part, counters, nw, res, norm_eps, n, k, per, split,
+                x2, data, scale, minimum, bias, out, part, _gemv_counters(x.device, rows, split, out), nw, res, norm_eps, n, k, per, split,
                 data.stride(0), scale.stride(0) if fmt else 0, FORMAT=fmt, HAS_BIAS=w.bias is not None,
                 SPLIT=split > 1, EVEN_K=even_k, GROUP_SIZE=max(w.group_size, 1), ROWS=cfg.block_n, BLOCK_K=block_k,
                 VEC=16 // data.element_size(), RESIDUAL=res2 is not None, **fused,
