@@ -147,6 +147,8 @@ class ServerConfig:
     max_concurrent_streams: int = _f(128, gt=0)  # per QUIC connection
     request_timeout_s: float = _f(600.0, gt=0)
     drain_timeout_s: float = _f(30.0, ge=0)
+    # How often the supervisor checks config.yaml for edits (SIGHUP reloads at once); 0: SIGHUP only.
+    config_poll_s: float = _f(2.0, ge=0)
     # Front-end worker processes sharing the UDP port (SO_REUSEPORT); "auto": see auto_workers.
     workers: str = _f("auto", check=_check_workers, int_ok=True)
     # HTTP/1.1 and HTTP/2 over TLS/TCP on the same address as HTTP/3 (clients without QUIC).

@@ -38,7 +38,7 @@ from edged.systemd import Notifier, Watchdog
 
 log = logging.getLogger("edged.daemon")
 
-CONFIG_POLL_S = 2.0  # how often the config file's mtime is checked for edits
+CONFIG_POLL_IDLE_S = 1.0  # with server.config_poll_s 0, how often to look whether it was turned back on
 STALL_S = 20.0  # a child without a heartbeat for this long: withhold watchdog pings
 RESTART_BACKOFF_S = (0.0, 0.5, 1.0, 2.0, 5.0)  # between restarts of a worker that keeps dying
 CORE_STOP_S = 15.0
@@ -342,8 +342,9 @@ class Daemon:
 
     async def _watch_config(self) -> None:
         while True:
-            await asyncio.sleep(CONFIG_POLL_S)
-            if not self._reload_lock.locked() and self._fingerprint() != self._config_seen:
+            poll_s = self.config.server.config_poll_s  # live: each pause reads the current config
+            await asyncio.sleep(poll_s or CONFIG_POLL_IDLE_S)
+            if poll_s and not self._reload_lock.locked() and self._fingerprint() != self._config_seen:
                 await self._reload_once("file changed")
 
     async def _reload_once(self, reason: str) -> None:

@@ -40,7 +40,10 @@ from edged.server.h3_client import H3Client
 from helpers.daemon import DaemonProcess, start_daemon
 
 KEY = "ops-secret"
+POLL_S = 0.3  # the daemon's config_poll_s here: each look at the file costs the test this long
 AUTH_ON = f"""
+server:
+  config_poll_s: {POLL_S}
 auth:
   enabled: true
   metrics_requires_key: true
@@ -48,7 +51,7 @@ auth:
     - name: ops
       sha256: {hash_api_key(KEY)}
 """
-CONFIG_POLL_S_MARGIN = daemon_module.CONFIG_POLL_S + 0.5  # long enough for the watcher to look again
+CONFIG_POLL_S_MARGIN = 3 * POLL_S  # long enough for the watcher to look again
 AUTH_OFF = AUTH_ON.replace("enabled: true", "enabled: false").replace("metrics_requires_key: true",
                                                                        "metrics_requires_key: false")
 
@@ -306,7 +309,8 @@ def test_each_change_is_read_once_and_off_the_event_loop(tmp_path: Path, monkeyp
     """A SIGHUP after an edit reads the file; the watcher then sees nothing new. Reading happens
     on a worker thread."""
     path = tmp_path / "config.yaml"
-    path.write_text("logging:\n  level: info\n")
+    poll = "server:\n  config_poll_s: 0.05\n"
+    path.write_text(poll + "logging:\n  level: info\n")
     calls: list[str] = []
 
     def counting_reload(*args: object) -> object:
@@ -314,17 +318,16 @@ def test_each_change_is_read_once_and_off_the_event_loop(tmp_path: Path, monkeyp
         return reload_config(*args)  # type: ignore[arg-type]
 
     monkeypatch.setattr(daemon_module, "reload_config", counting_reload)
-    monkeypatch.setattr(daemon_module, "CONFIG_POLL_S", 0.05)
     monkeypatch.setattr(daemon_module, "setup_logging", lambda level: None)  # leave pytest's logging alone
 
     async def main() -> None:
         d = daemon_module.Daemon(apply_overrides(load_config(path)), str(path), {}, str(tmp_path))
         watcher = asyncio.create_task(d._watch_config())
-        path.write_text("logging:\n  level: warning\n")
+        path.write_text(poll + "logging:\n  level: warning\n")
         await d._reload_once("SIGHUP")
         await asyncio.sleep(0.5)  # ten polls
         assert d.config.logging.level == "warning"
-        path.write_text("logging:\n  level: error\n")  # an edit without a signal: the watcher reads it
+        path.write_text(poll + "logging:\n  level: error\n")  # an edit without a signal: the watcher reads it
         os.utime(path, ns=(time.time_ns() + 10**9, time.time_ns() + 10**9))
         await asyncio.sleep(0.5)
         watcher.cancel()
@@ -333,6 +336,34 @@ def test_each_change_is_read_once_and_off_the_event_loop(tmp_path: Path, monkeyp
     asyncio.run(main())
     assert len(calls) == 2
     assert threading.main_thread().name not in calls
+
+
+def test_config_poll_0_leaves_edits_to_sighup_and_a_reload_can_turn_polling_back_on(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text("server:\n  config_poll_s: 0\nlogging:\n  level: info\n")
+    monkeypatch.setattr(daemon_module, "CONFIG_POLL_IDLE_S", 0.05)
+    monkeypatch.setattr(daemon_module, "setup_logging", lambda level: None)
+
+    def edit(text: str) -> None:
+        path.write_text(text)
+        os.utime(path, ns=(time.time_ns() + 10**9, time.time_ns() + 10**9))
+
+    async def main() -> None:
+        d = daemon_module.Daemon(apply_overrides(load_config(path)), str(path), {}, str(tmp_path))
+        watcher = asyncio.create_task(d._watch_config())
+        edit("server:\n  config_poll_s: 0\nlogging:\n  level: warning\n")
+        await asyncio.sleep(0.3)
+        assert d.config.logging.level == "info"  # not polled
+        edit("server:\n  config_poll_s: 0.05\nlogging:\n  level: warning\n")
+        await d._reload_once("SIGHUP")
+        assert d.config.logging.level == "warning"
+        edit("server:\n  config_poll_s: 0.05\nlogging:\n  level: error\n")
+        await asyncio.sleep(0.3)
+        watcher.cancel()
+        assert d.config.logging.level == "error"  # polled again, at the reloaded interval
+
+    asyncio.run(main())
 
 
 def test_bearer_parsing() -> None:
