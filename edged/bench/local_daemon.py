@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -13,6 +15,32 @@ from pathlib import Path
 
 READY = "edged.daemon: ready "  # the supervisor's line once the model is warmed up and every worker serves
 LOG_LINES = 200  # kept for the error message when the daemon fails
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def free_udp_port(host: str = "127.0.0.1") -> int:
+    """A port of `host` free for UDP (HTTP/3) and TCP (the h2/http1.1 listener), outside the kernel's
+    ephemeral range: a port the kernel hands out (bind to 0) can meanwhile become some client
+    connection's local port, and the daemon's TCP listen on it then fails."""
+    low, high = _ephemeral_range()
+    candidates = [p for p in range(10000, 65000) if not low <= p <= high]
+    for port in random.sample(candidates, 200):
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as u, \
+                    socket.socket(socket.AF_INET, socket.SOCK_STREAM) as t:
+                u.bind((host, port))
+                t.bind((host, port))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no free loopback port outside the ephemeral range")
 
 
 @dataclass

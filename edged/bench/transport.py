@@ -17,7 +17,6 @@ import argparse
 import asyncio
 import json
 import signal
-import socket
 import sys
 import tempfile
 import threading
@@ -81,12 +80,6 @@ def config_from_args(args: argparse.Namespace) -> TransportConfig:
     return cfg
 
 
-def free_udp_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def context_length(cfg: TransportConfig) -> int:
     """Room for the prompt (words -> tokens, the nonce, the chat template) and every generated token."""
     need = 2 * cfg.prompt_tokens + 128 + cfg.max_tokens
@@ -128,7 +121,7 @@ def run_transport(cfg: TransportConfig, args: argparse.Namespace, workdir: Path)
     """Model, config, daemon, sweep; the report. RuntimeError when the daemon fails to start."""
     import yaml
 
-    from edged.bench.local_daemon import LocalDaemon
+    from edged.bench.local_daemon import LocalDaemon, free_udp_port
     from edged.bench.proc_cpu import TreeCpu
     from edged.bench.serve import run_bench
     from edged.bench.transport_report import phase_record

@@ -11,11 +11,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-
-def free_udp_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from edged.bench.local_daemon import free_udp_port
 
 
 @dataclass
