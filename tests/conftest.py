@@ -15,6 +15,7 @@ import pytest
 from edged.bench.tiny_model import write_tiny_hf_dir
 from edged.models.default_model import default_model_path
 from edged.models.loader import LoadedModel, load_model
+from helpers.hf_gguf import fast_gguf_parsing
 
 
 @pytest.fixture(scope="session")
@@ -81,8 +82,9 @@ def hf_gguf_model() -> Callable[[Path, "torch.dtype"], object]:
 
     def get(path: Path, dtype: torch.dtype) -> object:
         if (path, torch.float32) not in loaded:
-            loaded[path, torch.float32] = transformers.AutoModelForCausalLM.from_pretrained(
-                path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+            with fast_gguf_parsing():
+                loaded[path, torch.float32] = transformers.AutoModelForCausalLM.from_pretrained(
+                    path.parent, gguf_file=path.name, dtype=torch.float32).eval()
         if (path, dtype) not in loaded:
             model = copy.deepcopy(loaded[path, torch.float32])
             for p in model.parameters():

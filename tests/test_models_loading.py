@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from helpers.gguf import llama_cpp_permute
+from helpers.hf_gguf import fast_gguf_parsing
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
@@ -55,7 +56,8 @@ CONVERSATION = [
 @pytest.fixture(scope="module")
 def hf_tokenizer(gguf_path: Path):
     transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    with fast_gguf_parsing():
+        return transformers.AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
 
 
 # --- the embedded default model ---------------------------------------------------------------------
