@@ -139,9 +139,9 @@ def test_linear_formats(fmt: str, m: int, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("group", [32, 64, 128])
 def test_linear_w4_groups_gemv_split(group: int) -> None:
     torch.manual_seed(group)
-    w = _weight("w4", 40, 512, torch.float16, bias=True, group=group)
+    w = _weight("w4", 12, 512, torch.float16, bias=True, group=group)
     x = torch.randn(1, 512).to(torch.float16)
-    # two groups per step, three K splits with a ragged last split
+    # three row blocks; two groups per step, three K splits with a ragged last split
     cfg = tlin.LinearConfig("gemv", 1, 4, 2 * group, split=3)
     _check_linear(x, w, cfg)
     _check_linear(x, w, tlin.LinearConfig("gemv", 1, 2, group, split=1))
@@ -169,7 +169,7 @@ def test_linear_w4_gemv_bf16_x_words() -> None:
 @pytest.mark.parametrize("fmt", ["dense", "w8"])
 def test_linear_gemv_ragged_k(fmt: str) -> None:
     torch.manual_seed(0)
-    w = _weight(fmt, 33, 200, torch.float32, bias=True)  # K not a multiple of the block, N of the rows
+    w = _weight(fmt, 9, 200, torch.float32, bias=True)  # K not a multiple of the block, N of the rows
     x = torch.randn(1, 200)
     _check_linear(x, w, tlin.LinearConfig("gemv", 1, 4, 64, split=2))
     _check_linear(x, w, tlin.LinearConfig("gemv", 1, 1, 64, split=1))
@@ -235,7 +235,7 @@ def test_linear_fused_forms_equal_the_composed_ops(fmt: str, form: str, rows: in
     from edged.kernels.triton_counters import split_counters
 
     torch.manual_seed(len(form) * 7 + rows)
-    k, n = 64, 40  # two w4 groups; the GEMV config below splits K in two
+    k, n = 64, 12  # two w4 groups; the GEMV config below splits K in two; three row blocks of 4
     w = _weight(fmt, n, k, dtype, bias=True)
     spec = _FUSED_FORMS[form]
     x = torch.randn(rows, 2 * k if spec.get("silu_mul") else k).to(dtype)

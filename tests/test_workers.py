@@ -211,7 +211,7 @@ def test_a_killed_worker_loses_only_its_streams_is_restarted_and_drains_on_sigte
         async def go() -> tuple[list, float]:
             started = [asyncio.Event() for _ in range(10)]
             streams = [asyncio.create_task(stream_on_new_connection(
-                d, chat_body("Count slowly to one thousand.", 160, ignore_eos=True), idle_timeout=4.0,
+                d, chat_body("Count slowly to one thousand.", 100, ignore_eos=True), idle_timeout=4.0,
                 started=ev)) for ev in started]
             await asyncio.wait_for(asyncio.gather(*(ev.wait() for ev in started)), 60)
             os.kill(pids["w1"], signal.SIGKILL)
