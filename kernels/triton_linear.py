@@ -509,11 +509,15 @@ def choose_config(m: int, n: int, k: int, fmt: str, device: torch.device) -> Lin
     if m == 1:
         # 4 weight rows a program, 1024 (w4, w8: 2048) columns a step: the H200 sweep's best for the old
         # per-row w8 and dense at 4096x14336 and 14336x4096; grouped w8 takes 2048 so that a thread owns
-        # 16 columns (one 16-byte load, one scale and minimum per 16 weights instead of per 8; not yet
-        # swept on the H200); split K only while the rows alone leave SMs idle
-        block_k = 2048 if fmt in ("w4", "w8") else 1024
-        split = _pick_split(-(-n // 4), -(-k // block_k), 2 * sms, 2)
-        return LinearConfig("gemv", 1, 4, block_k, split, num_warps=4, num_stages=1)
+        # 16 columns (one 16-byte load, one scale and minimum per 16 weights instead of per 8). The
+        # 2026-12-01 sweep over the SmolLM2 / 1B / 8B decode shapes: rows shorter than a step waste
+        # lanes (SmolLM2's K = 576: 1024 columns a step, 15-20% faster), and w4 with long rows (K >=
+        # 4096) but few of them (N <= 8192) wants twice the programs, 2 rows each (8B down 28.2 -> 22.8
+        # us, 8B o 10.1 -> 8.8). Split K only while the rows alone leave SMs idle.
+        block_k = 2048 if fmt in ("w4", "w8") and k > 1024 else 1024
+        rows = 2 if fmt == "w4" and k >= 4096 and n <= 8192 else 4
+        split = _pick_split(-(-n // rows), -(-k // block_k), 2 * sms, 2)
+        return LinearConfig("gemv", 1, rows, block_k, split, num_warps=4, num_stages=1)
     if fmt == "dense":
         return LinearConfig("torch")  # cuBLAS is at bandwidth for dense weights from M = 2 on
     if m <= 64:

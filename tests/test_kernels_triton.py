@@ -226,6 +226,7 @@ _GEMV, _MATMUL = ("gemv", 1, 4, 32, 3), ("matmul", 16, 32, 32, 2)
 @pytest.mark.parametrize("fmt,form,dtype,rows,cfg",
                          [(fmt, form, torch.float16, 1, _GEMV) for fmt in ("dense", "w8", "w4") for form in _FUSED_FORMS]
                          + [("w4", "norm", torch.float32, 1, _GEMV), ("w8", "silu+residual", torch.float32, 1, _GEMV)]
+                         + [("w4", "silu+residual", torch.float16, 1, ("gemv", 1, 2, 64, 2))]  # 2 rows a program
                          + [(fmt, "residual", torch.float16, 6, _MATMUL) for fmt in ("w8", "w4")]
                          + [("w8", "silu+residual", torch.float32, 6, _MATMUL), ("w4", "norm", torch.float16, 6, _MATMUL)])
 def test_linear_fused_forms_equal_the_composed_ops(fmt: str, form: str, rows: int, cfg, dtype: torch.dtype) -> None:
