@@ -106,7 +106,7 @@ def build_parser(bench_arguments: bool = True) -> argparse.ArgumentParser:
     decode.add_argument("--context", type=int, default=32, help="CPU: each stream's prompt before decode is timed")
     decode.add_argument("--repeat", type=int, default=1, help="CPU: runs (fresh processes); medians are printed")
     kern = bench_sub.add_parser("kernels", help="each kernel's GB/s or TFLOP/s against measured ceilings")
-    kern.add_argument("--sweep", action="store_true", help="also sweep launch configurations")
+    kern.add_argument("--sweep", action="store_true", help="also time every decode GEMV launch configuration (rows a program, columns a step, warps, K splits) at each decode shape of SmolLM2, Llama-3.2-1B and Llama-3-8B against the built-in choice")
     acc = bench_sub.add_parser("accuracy", help="teacher-forced top-1 agreement with float32, per dtype and format")
     acc.add_argument("--model", help="a .gguf file or HF directory (default: the embedded SmolLM2)")
     acc.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],

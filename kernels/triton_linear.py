@@ -497,7 +497,7 @@ def _pick_split(tiles: int, k_steps: int, target: int, min_steps: int) -> int:
 
 def choose_config(m: int, n: int, k: int, fmt: str, device: torch.device) -> LinearConfig:
     """Shape heuristics (no autotuning: it must also run under the CPU interpreter). GPU numbers come
-    from sweeps on an H200 (`python tests/test_kernels_gpu.py --sweep`)."""
+    from sweeps on an H200 (`edged bench kernels --sweep`)."""
     sms = _sm_count(device)
     if device.type != "cuda":
         if m == 1:

@@ -6,6 +6,7 @@ over copies larger than the L2, so every call reads from HBM.
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 
 import torch
@@ -55,6 +56,12 @@ def copy_bandwidth() -> tuple[float, float]:
     print(f"torch copy_ (read+write): {copy / 1e9:8.0f} GB/s (a slower memcpy path; not the ceiling)", flush=True)
     return kernel_copy, read
 
+
+# (N, K) of each decode linear: qkv, o, gate_up, down (and the 1B's untied head)
+DECODE_SHAPES = {"smollm2 qkv": (960, 576), "smollm2 gate_up": (3072, 576), "smollm2 down": (576, 1536),
+                 "1b qkv": (3072, 2048), "1b o": (2048, 2048), "1b gate_up": (16384, 2048),
+                 "1b down": (2048, 8192), "1b head": (128256, 2048), "8b qkv": (6144, 4096),
+                 "8b o": (4096, 4096), "8b gate_up": (28672, 4096), "8b down": (4096, 14336)}
 
 _WEIGHTS: dict[tuple, list[LinearWeight]] = {}
 
@@ -208,20 +215,25 @@ def sweep_configs(copy: float) -> None:
         print(f"  {label}: {t * 1e6:7.1f} us {nbytes / t / 1e9:6.0f} GB/s {100 * nbytes / t / copy:5.1f}%", flush=True)
         return nbytes / t
 
-    gemv = {"w8": [(4, 1024, 4), (4, 2048, 4), (4, 2048, 8), (4, 4096, 8), (2, 2048, 4)],
-            "w4": [(4, 2048, 4), (4, 4096, 4), (4, 4096, 8), (2, 4096, 4), (4, 8192, 8)],
-            "dense": [(4, 1024, 4), (4, 2048, 4), (4, 2048, 8), (2, 2048, 4)]}
-    for fmt, cands in gemv.items():
-        for n, k in ((4096, 14336), (14336, 4096)):
-            best = (0.0, "")
-            for rows, bk, warps in cands:
-                if bk > k:
-                    continue
-                for split in sorted({1, 2}):
+    # M = 1: every decode GEMV shape of SmolLM2, Llama-3.2-1B and Llama-3-8B, each launch against
+    # choose_config's; one line per shape (the best, and the heuristic's time) after its candidates
+    for fmt in ("w8", "w4", "dense"):
+        for name, (n, k) in DECODE_SHAPES.items():
+            copies = 1 if n * k > 2e8 else 4
+            heuristic = tlin.choose_config(1, n, k, fmt, torch.device(DEV))
+            base = measure(f"{fmt} {name} {n}x{k} heuristic {heuristic}",
+                           lambda: gemv_time(fmt, n, k, copies=copies))
+            best = (base, "heuristic")
+            for rows, bk, warps in itertools.product((2, 4), (512, 1024, 2048, 4096), (4, 8)):
+                for split in sorted({1, 2, 4, heuristic.split}):
+                    if bk > 2 * k or -(-k // bk) < split:
+                        continue
                     cfg = tlin.LinearConfig("gemv", 1, rows, bk, split, num_warps=warps, num_stages=1)
-                    label = f"{fmt} {n}x{k} M=1 rows={rows} bk={bk} warps={warps} split={split}"
-                    best = max(best, (measure(label, lambda: gemv_time(fmt, n, k, config=cfg)), label))
-            print(f"BEST {best[1]}: {best[0] / 1e9:.0f} GB/s {100 * best[0] / copy:.1f}%", flush=True)
+                    label = f"rows={rows} bk={bk} warps={warps} split={split}"
+                    best = max(best, (measure(f"{fmt} {name} {label}",
+                                              lambda: gemv_time(fmt, n, k, config=cfg, copies=copies)), label))
+            print(f"BEST {fmt} {name} {n}x{k}: {best[1]} {100 * best[0] / copy:.1f}% of copy "
+                  f"(heuristic {100 * base / copy:.1f}%)", flush=True)
 
 
 def _decode_time_cfg(batch: int, ctx: int, int8: bool, block_t: int, warps: int) -> tuple[float, int]:
