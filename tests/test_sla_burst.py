@@ -119,7 +119,7 @@ def test_a_bronze_burst_does_not_slow_gold_and_is_refused_rather_than_served_lat
     gold_ttft = [r.ttft_s for r in gold if r.ttft_s is not None]
     gold_tpot = [r.tpot_s for r in gold if r.tpot_s is not None]
     print(f"\nsolo gold: ttft {solo_ttft:.3f} s, tpot {solo_tpot:.3f} s; "
-          f"burst gold: ttft p90 {p90(gold_ttft):.3f} s (all {sorted(round(t, 2) for t in gold_ttft)}), "
+          f"burst gold: ttft p90 {p90(gold_ttft):.3f} s (in arrival order {[round(t, 2) for t in gold_ttft]}), "
           f"tpot p50 {statistics.median(gold_tpot):.3f} s; bronze admitted {len(admitted)}, refused "
           f"{len(refused)} {sorted({r.status for r in refused})}, bronze ttft max "
           f"{max((r.ttft_s or 0) for r in admitted):.2f} s, bronze late "
