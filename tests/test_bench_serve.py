@@ -37,7 +37,7 @@ from edged.bench.serve import (
     tier_sequence,
 )
 
-from helpers.daemon import free_udp_port, start_daemon
+from helpers.daemon import free_port, start_daemon
 from helpers.fake_engine import AdmissionRefused, FakeDelta, FakeEngine, ServerThread
 
 
@@ -365,10 +365,10 @@ def test_edged_bench_serve_cli_runs_and_an_unreachable_daemon_exits_1(fake_serve
     assert main(["bench", "serve", "--port", str(st.port), "--ca-file", ca, "--rate", "50", "--requests", "6",
                  "--tier-mix", "gold=1,bronze=1", "--output-tokens", "3", "--clients", "1"]) == 0
     assert "rate 50 req/s" in capsys.readouterr().out
-    assert main(["bench", "serve", "--port", str(free_udp_port()), "--insecure", "--requests", "1"]) == 1
+    assert main(["bench", "serve", "--port", str(free_port()), "--insecure", "--requests", "1"]) == 1
     assert "could not reach edged" in capsys.readouterr().err
     # from a client process, the same message
-    assert main(["bench", "serve", "--port", str(free_udp_port()), "--insecure", "--requests", "2",
+    assert main(["bench", "serve", "--port", str(free_port()), "--insecure", "--requests", "2",
                  "--concurrency", "2", "--clients", "2"]) == 1
     assert "could not reach edged" in capsys.readouterr().err
     assert main(["bench", "serve", "--clients", "0"]) == 1

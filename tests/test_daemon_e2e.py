@@ -14,7 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from edged.server.h3_client import H3Client, iter_sse
-from helpers.daemon import DaemonProcess, free_udp_port, start_daemon
+from helpers.daemon import DaemonProcess, free_port, start_daemon
 from helpers.metrics import families, metric_sum, metric_value
 
 pytestmark = pytest.mark.slow
@@ -164,7 +164,7 @@ def test_every_bad_input_gets_a_4xx_with_an_openai_error_and_the_daemon_keeps_se
 
 
 def test_edged_chat_reports_an_unreachable_daemon_and_exits_non_zero(tmp_path: Path) -> None:
-    out = subprocess.run([sys.executable, "-m", "edged.cli", "chat", "hi", "--port", str(free_udp_port()),
+    out = subprocess.run([sys.executable, "-m", "edged.cli", "chat", "hi", "--port", str(free_port()),
                           "--insecure"], capture_output=True, text=True, timeout=60)
     assert out.returncode != 0
     assert "could not reach edged" in out.stderr

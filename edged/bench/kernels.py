@@ -16,6 +16,7 @@ from edged.kernels import triton_attention as tattn
 from edged.kernels import triton_linear as tlin
 from edged.kernels import triton_ops as ops
 from edged.kernels.weights import LinearWeight
+from edged.models.config import MODEL_SHAPES
 
 from .kernel_inputs import DEV, make_weight, paged_cache
 
@@ -57,11 +58,16 @@ def copy_bandwidth() -> tuple[float, float]:
     return kernel_copy, read
 
 
-# (N, K) of each decode linear: qkv, o, gate_up, down (and the 1B's untied head)
-DECODE_SHAPES = {"smollm2 qkv": (960, 576), "smollm2 gate_up": (3072, 576), "smollm2 down": (576, 1536),
-                 "1b qkv": (3072, 2048), "1b o": (2048, 2048), "1b gate_up": (16384, 2048),
-                 "1b down": (2048, 8192), "1b head": (128256, 2048), "8b qkv": (6144, 4096),
-                 "8b o": (4096, 4096), "8b gate_up": (28672, 4096), "8b down": (4096, 14336)}
+def decode_shapes() -> dict[str, tuple[int, int]]:
+    """(N, K) of each decode linear of the MODEL_SHAPES models: fused qkv, o, fused gate_up, down, head."""
+    shapes: dict[str, tuple[int, int]] = {}
+    for name, c in MODEL_SHAPES.items():
+        h = c.hidden_size
+        shapes.update({f"{name} qkv": (c.q_size + 2 * c.kv_size, h), f"{name} o": (h, c.q_size),
+                       f"{name} gate_up": (2 * c.intermediate_size, h), f"{name} down": (h, c.intermediate_size),
+                       f"{name} head": (c.vocab_size, h)})
+    return shapes
+
 
 _WEIGHTS: dict[tuple, list[LinearWeight]] = {}
 
@@ -218,7 +224,7 @@ def sweep_configs(copy: float) -> None:
     # M = 1: every decode GEMV shape of SmolLM2, Llama-3.2-1B and Llama-3-8B, each launch against
     # choose_config's; one line per shape (the best, and the heuristic's time) after its candidates
     for fmt in ("w8", "w4", "dense"):
-        for name, (n, k) in DECODE_SHAPES.items():
+        for name, (n, k) in decode_shapes().items():
             copies = 1 if n * k > 2e8 else 4
             heuristic = tlin.choose_config(1, n, k, fmt, torch.device(DEV))
             base = measure(f"{fmt} {name} {n}x{k} heuristic {heuristic}",

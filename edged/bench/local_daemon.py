@@ -25,7 +25,7 @@ def _ephemeral_range() -> tuple[int, int]:
         return 32768, 60999
 
 
-def free_udp_port(host: str = "127.0.0.1") -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     """A port of `host` free for UDP (HTTP/3) and TCP (the h2/http1.1 listener), outside the kernel's
     ephemeral range: a port the kernel hands out (bind to 0) can meanwhile become some client
     connection's local port, and the daemon's TCP listen on it then fails."""

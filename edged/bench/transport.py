@@ -121,7 +121,7 @@ def run_transport(cfg: TransportConfig, args: argparse.Namespace, workdir: Path)
     """Model, config, daemon, sweep; the report. RuntimeError when the daemon fails to start."""
     import yaml
 
-    from edged.bench.local_daemon import LocalDaemon, free_udp_port
+    from edged.bench.local_daemon import LocalDaemon, free_port
     from edged.bench.proc_cpu import TreeCpu
     from edged.bench.serve import run_bench
     from edged.bench.transport_report import phase_record
@@ -135,7 +135,7 @@ def run_transport(cfg: TransportConfig, args: argparse.Namespace, workdir: Path)
         _say("writing a tiny random-weight model with the default model's tokenizer ...")
         (workdir / "model").mkdir()
         model_path = write_tiny_hf_dir(workdir / "model", max_position_embeddings=context_length(cfg))
-    port = free_udp_port()
+    port = free_port()
     config_path = workdir / "config.yaml"
     config_path.write_text(yaml.safe_dump(daemon_config(cfg, port, workdir / "state", model_path), sort_keys=False))
     t = time.perf_counter()

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from edged.bench.local_daemon import free_udp_port
+from edged.bench.local_daemon import free_port
 
 
 @dataclass
@@ -56,7 +56,7 @@ SUPERVISOR_READY = "edged.daemon: ready "
 
 def start_daemon(tmp: Path, config_text: str | None = None, extra_args: list[str] | None = None,
                  env: dict[str, str] | None = None, ready_timeout: float = 240.0) -> DaemonProcess:
-    port = free_udp_port()
+    port = free_port()
     state_dir = tmp / "state"
     config_path = None
     args = [sys.executable, "-m", "edged.cli", "serve", "--listen", f"127.0.0.1:{port}",
