@@ -521,22 +521,16 @@ def choose_config(m: int, n: int, k: int, fmt: str, device: torch.device) -> Lin
     if fmt == "dense":
         return LinearConfig("torch")  # cuBLAS is at bandwidth for dense weights from M = 2 on
     if m <= 64:
-        # Decode batches: still weight-bandwidth bound. The 2026-12-01 H200 grid over every decode
-        # shape of SmolLM2 / 1B / 8B at M = 16, 32, 64 (block_n x block_k x K-split target): 64
-        # columns a step wins everywhere; small weights (<= 4M) want narrow tiles and 4 programs an SM
-        # (w4 at 32 rows excepted: 32-wide tiles lose there); large w8 64-wide tiles; large w4 keeps
-        # 128-wide tiles from 32 rows on. Linear time per step 7-46% lower than the former rule, no
-        # shape more than 3% slower.
+        # decode batches: still weight-bandwidth bound; split K to fill the SMs (w4 wants more
+        # programs: its dequantization is the slower part)
         block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-        if n * k <= 1 << 22:
-            block_n, target = (64 if fmt == "w4" and block_m == 32 else 32), 4 * sms
-        elif fmt == "w8":
-            block_n, target = 64, (4 if block_m <= 32 else 2) * sms
+        if fmt == "w4":
+            block_n, block_k, target = 128, (128 if block_m == 16 else 64), 2 * sms
         else:
-            block_n, target = (64, 4 * sms) if block_m == 16 else (128, 2 * sms)
+            block_n, block_k, target = 64, (256 if block_m == 16 else 128), sms
         tiles = -(-m // block_m) * -(-n // block_n)
-        split = _pick_split(tiles, -(-k // 64), target, 4)
-        return LinearConfig("matmul", block_m, block_n, 64, split, num_warps=4, num_stages=3)
+        split = _pick_split(tiles, -(-k // block_k), target, 4)
+        return LinearConfig("matmul", block_m, block_n, block_k, split, num_warps=4, num_stages=3)
     block_m = 64 if m <= 128 else 128
     return LinearConfig("matmul", block_m, 128, 64, 1, num_warps=8 if block_m == 128 else 4, num_stages=3)
 
