@@ -470,7 +470,8 @@ class Arrivals:
 
 
 class StepSpy:
-    """Records each planned step's predicted time and whether a protected-tier prompt was in it."""
+    """Records each planned step's predicted time, its bound, whether a gold prompt was in it, when,
+    and whether a lower tier had a chunk in it."""
 
     def __init__(self, sim: SimEngine) -> None:
         self.sim, self.steps = sim, []
@@ -480,8 +481,9 @@ class StepSpy:
             plan = schedule()
             b = sim.batcher
             gold_prompt = any(c.num_new_tokens > 1 and b.queues.entries[c.seq].tier == "gold" for c in plan.chunks)
+            lower = any(b.queues.entries[c.seq].tier != "gold" for c in plan.chunks)
             self.steps.append((CPU_COST(plan.num_prefill_tokens, len(plan.chunks)), b.step_bound_s, gold_prompt,
-                               b.clock()))
+                               b.clock(), lower))
             return plan
 
         sim.batcher.schedule = spy
@@ -520,13 +522,32 @@ def test_a_bronze_burst_keeps_gold_within_2x_of_solo_and_is_refused_early() -> N
     assert bronze.attainment >= 0.9, sim.table() if hasattr(sim, "table") else bronze
     assert bronze.completed == bronze.admitted and gold.completed == gold.admitted
     # No step outlasts the bound (a gold prompt may take up to a quarter of gold's TTFT target).
-    for predicted, bound, gold_prompt, _ in sim.spy.steps:
+    for predicted, bound, gold_prompt, _, _ in sim.spy.steps:
         limit = max(bound, 0.25 * gold.target_s) if gold_prompt else bound
         assert predicted <= limit + CPU_COST(8, 1) - CPU_COST.a, (predicted, bound, gold_prompt)
+    # Each burst gold prompt ran in a step of its own: bronze's decodes and prompts waited that step.
+    gold_prompt_steps = [lower for _, _, gold_prompt, t, lower in sim.spy.steps if gold_prompt and t >= 1.0]
+    assert len(gold_prompt_steps) == 8 and not any(gold_prompt_steps)
     snap = sim.batcher.snapshot()
     assert snap["gold"]["tpot_count"] == 9 and snap["gold"]["tpot_attainment"] == 1.0
     assert snap["bronze"]["ttft_prediction_count"] == bronze.first_tokens
     assert snap["bronze"]["ttft_prediction_abs_error_sum_s"] > 0
+
+
+def test_a_stream_of_gold_prompts_holds_lower_tiers_back_in_few_steps() -> None:
+    """A gold prompt gets a step of its own only while such steps are rare: gold arriving at every
+    step must not stop bronze."""
+    sim = SimEngine(limits=CPU_LIMITS, cost=CPU_COST)
+    sim.spy = StepSpy(sim)
+    for i in range(8):
+        sim.submit(sim_request(f"b{i}", "bronze", 0.0, prompt=16, out=200))
+    for i in range(200):
+        sim.submit(sim_request(f"g{i}", "gold", sim.clock(), prompt=8, out=1))
+        sim.step()
+    steps = sim.spy.steps[20:]  # bronze is decoding from here on
+    held = [not lower for _, _, gold_prompt, _, lower in steps if gold_prompt]
+    assert len(held) >= 150 and 0 < sum(held) <= 0.2 * len(steps)
+    assert sum(lower for *_, lower in steps) >= 0.8 * len(steps)
 
 
 def test_the_step_budget_follows_the_tightest_tier_in_use() -> None:

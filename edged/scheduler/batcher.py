@@ -15,8 +15,11 @@ code runs on CPU and GPU: only the measured costs differ.
 Each step, in this order, within those limits and the free KV blocks:
 
 1. every running sequence that is decoding gets its one token (most important tier first); a
-   lower tier's decode waits a step when it would push the step past the bound, or while the
-   protected tier has a prompt to compute (pace per tier: gold never decodes at bronze's pace);
+   lower tier's decode waits a step when it would push the step past the bound (pace per tier: gold
+   never decodes at bronze's pace). A step in which the protected tier has a prompt to compute is
+   its own: lower tiers' decodes and prompts wait, and its waiting requests skip their batch window,
+   so its first token costs what it would on an idle engine; lower tiers give at most about a tenth
+   of steps this way (`yield_share_max`), so a stream of protected arrivals cannot starve them;
 2. waiting sequences about to miss their TTFT target ("urgent": a quarter of the target left, or
    less than the time to prefill their tier's queue) start, preempting running sequences of
    *lower* tiers if slots or blocks are short (a free slot goes to an urgent request only if no
@@ -129,6 +132,8 @@ class Batcher:
         self.prefill_budget = limits.max_batch_tokens  # prompt tokens per step for tiers below the protected one
         self.protected_budget = limits.max_batch_tokens  # ... for the protected tier and above
         self.protected_step_fraction = 0.25  # its prompt may take a step up to this share of its TTFT target
+        self.yield_share = 0.0  # decaying share of recent steps that lower tiers gave to a protected prompt
+        self.yield_share_max = 0.1
         self.protected_rank = 0
         self.protected_ttft_s = float("inf")
         self.pace_bound = False  # this step's bound is the protected tier's pace
@@ -145,6 +150,7 @@ class Batcher:
         self._lower_left = 0  # prompt tokens left this step for tiers below the protected one
         self._now = 0.0
         self._kv_blocked = False
+        self._hold = False  # this step is a protected prompt's: lower tiers wait
 
     # --- membership ---
     @property
@@ -315,8 +321,8 @@ class Batcher:
         free = max(0, min(self.limits.max_num_seqs, self.seq_cap) - len(self.running))
 
         def eligible(tier: str, head: Entry) -> bool:
-            if idle or head.started:
-                return True
+            if idle or head.started or (self._hold and self.board.tiers[tier].rank <= self.protected_rank):
+                return True  # the step is the protected prompt's anyway: no reason to wait for more
             window = self.board.tiers[tier].window_ms / 1000.0
             if window <= 0 or now - head.enqueued_at >= window:
                 return True
@@ -398,18 +404,24 @@ class Batcher:
         m = self._derive_limits(now)
         # 1. Decodes, most important first. Those of the protected tier (the most important in use) and
         # above always run; a lower tier's decode waits a step if it would push the step past the bound.
-        # While the protected tier has a prompt to compute, lower tiers' decodes wait: its first token
-        # then costs what it costs on an idle engine (they lose one step per such arrival).
-        reserve = self.step_bound_s if self._protected_prefill_waiting() else 0.0
+        # When a prompt of the protected tier is to be computed, lower tiers give it the step: their
+        # decodes and prompts wait, so its first token costs what it costs on an idle engine (they lose
+        # one step per such arrival); in at most yield_share_max of recent steps, so that a stream of
+        # protected arrivals cannot starve them.
+        self._hold = hold = self.yield_share < self.yield_share_max and self._protected_prefill_waiting()
+        self.yield_share += 0.1 * (float(hold) - self.yield_share)
         decodes = 0
+        held: set[Sequence] = set()
         for seq in sorted(self.running, key=self._prio):
             if self._budget <= 0:
                 break
             if seq not in self.running or seq.num_uncomputed != 1:
                 continue
-            if (decodes and self.queues.rank_of(self.queues.entries[seq]) > self.protected_rank
-                    and m.a + max(m.c, m.b) * (decodes + 1) + reserve > self.step_bound_s):
+            if self.queues.rank_of(self.queues.entries[seq]) > self.protected_rank and (
+                    hold or (decodes and m.a + max(m.c, m.b) * (decodes + 1) > self.step_bound_s)):
                 self.deferred_decodes += 1
+                if hold:
+                    held.add(seq)
                 continue
             if self._grow(seq, 1):
                 self._add_chunk(seq, 1)
@@ -417,10 +429,10 @@ class Batcher:
         # Prompt tokens this step: what the bound leaves after the decodes (at least a small chunk, so
         # prefill always progresses), within the configured budget.
         # Lower tiers' prompts always progress by a small chunk, except while a pace is protected:
-        # then they wait for room, as their decodes do.
+        # then they wait for room, as their decodes do; and not at all in a held step.
         self.prefill_budget = self._prefill_tokens(m, len(plan.chunks), self.step_bound_s,
                                                    0 if self.pace_bound else None)
-        self._lower_left = self.prefill_budget
+        self._lower_left = 0 if hold else self.prefill_budget
         self.protected_budget = self._prefill_tokens(m, len(plan.chunks), max(
             self.step_bound_s, self.protected_ttft_s * self.protected_step_fraction))
         self._budget = min(self._budget, max(self.prefill_budget, self.protected_budget))
@@ -431,7 +443,7 @@ class Batcher:
         for seq in sorted(self.running, key=self._prio):
             if self._budget <= 0:
                 break
-            if seq in self.running and seq not in self._chunks and seq.num_uncomputed > 0:
+            if seq in self.running and seq not in self._chunks and seq not in held and seq.num_uncomputed > 0:
                 n = min(seq.num_uncomputed, self._room(seq))
                 if n <= 0:
                     continue
@@ -478,8 +490,8 @@ class Batcher:
         c = max(m.c, m.b)
         self.seq_cap = cap if c <= 0 else max(1, min(cap, int((bound - m.a) / c)))
         # What admission counts on for lower tiers: the cap with the protected tier's pace held, in the
-        # share of recent steps that held it (its requests may decode at any time while a lower tier's
-        # queue drains; a burst is judged before it shows).
+        # share of recent steps that held it, and at least half the time (its requests may decode at
+        # any time while a lower tier's queue drains: a burst is judged before they show).
         self.pace_share += 0.02 * (float(self.pace_bound) - self.pace_share)
         paced = min([ttft_bound] + [st.tpot_target_s * self.pace_fraction for st in tiers
                                     if st.tpot_target_s is not None and st.rank == self.protected_rank])
@@ -488,7 +500,8 @@ class Batcher:
         else:
             free_cap = min(cap, int((ttft_bound - m.a) / c))
             paced_cap = min(cap, int((paced - m.a) / c))
-            self.admission_cap = max(1, round(self.pace_share * paced_cap + (1 - self.pace_share) * free_cap))
+            share = max(self.pace_share, 0.5)  # the floor: fewer of a burst served late (issue 14's runs)
+            self.admission_cap = max(1, round(share * paced_cap + (1 - share) * free_cap))
         return m
 
     def _protected_prefill_waiting(self) -> bool:
