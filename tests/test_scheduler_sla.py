@@ -19,7 +19,6 @@ from edged.scheduler.batcher import Batcher, BatchLimits
 from edged.scheduler.simulation import SimClock, SimEngine, StepCost, Workload, capacity_rps
 from edged.scheduler.step_stats import StepModel, StepStats
 from edged.scheduler.tiers import AdaptPolicy, TierBoard
-from edged.server.openai_wire import WireError
 from helpers.tiny_engine import collect, tiny_model
 
 LIMITS = BatchLimits(max_num_seqs=32, max_batch_tokens=512)

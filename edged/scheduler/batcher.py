@@ -411,17 +411,14 @@ class Batcher:
         self._hold = hold = self.yield_share < self.yield_share_max and self._protected_prefill_waiting()
         self.yield_share += 0.1 * (float(hold) - self.yield_share)
         decodes = 0
-        held: set[Sequence] = set()
         for seq in sorted(self.running, key=self._prio):
             if self._budget <= 0:
                 break
             if seq not in self.running or seq.num_uncomputed != 1:
                 continue
-            if self.queues.rank_of(self.queues.entries[seq]) > self.protected_rank and (
-                    hold or (decodes and m.a + max(m.c, m.b) * (decodes + 1) > self.step_bound_s)):
+            if (hold or (decodes and m.a + max(m.c, m.b) * (decodes + 1) > self.step_bound_s)) and \
+                    self.queues.rank_of(self.queues.entries[seq]) > self.protected_rank:
                 self.deferred_decodes += 1
-                if hold:
-                    held.add(seq)
                 continue
             if self._grow(seq, 1):
                 self._add_chunk(seq, 1)
@@ -429,7 +426,8 @@ class Batcher:
         # Prompt tokens this step: what the bound leaves after the decodes (at least a small chunk, so
         # prefill always progresses), within the configured budget.
         # Lower tiers' prompts always progress by a small chunk, except while a pace is protected:
-        # then they wait for room, as their decodes do; and not at all in a held step.
+        # then they wait for room, as their decodes do; and not at all in a held step (nor, through this
+        # budget, the decodes held back above).
         self.prefill_budget = self._prefill_tokens(m, len(plan.chunks), self.step_bound_s,
                                                    0 if self.pace_bound else None)
         self._lower_left = 0 if hold else self.prefill_budget
@@ -443,7 +441,7 @@ class Batcher:
         for seq in sorted(self.running, key=self._prio):
             if self._budget <= 0:
                 break
-            if seq in self.running and seq not in self._chunks and seq not in held and seq.num_uncomputed > 0:
+            if seq in self.running and seq not in self._chunks and seq.num_uncomputed > 0:
                 n = min(seq.num_uncomputed, self._room(seq))
                 if n <= 0:
                     continue
