@@ -140,6 +140,26 @@ def test_the_cbpf_program_routes_each_packet_to_the_worker_its_connection_id_nam
             s.close()
 
 
+def test_a_client_initial_dcid_is_the_one_its_first_packet_carries_and_must_be_8_to_20_bytes() -> None:
+    async def first_packet_dcid(dcid: bytes) -> bytes:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as server:
+            server.bind(("127.0.0.1", 0))
+            server.setblocking(False)
+            client = H3Client("127.0.0.1", server.getsockname()[1], insecure=True, connect_timeout=0.5,
+                              initial_dcid=dcid)
+            connecting = asyncio.ensure_future(client.connect())
+            packet = await asyncio.wait_for(asyncio.get_running_loop().sock_recv(server, 2048), 5)
+            with pytest.raises(ConnectError):
+                await connecting
+            return packet[6:6 + packet[5]]  # a long header: flags, version, DCID length, DCID
+
+    dcid = CidRoute(1, 2).new_cid()
+    assert run(first_packet_dcid(dcid)) == dcid
+    for bad in (b"short", bytes(21)):
+        with pytest.raises(ValueError):
+            run(H3Client("127.0.0.1", 9, insecure=True, initial_dcid=bad).connect())
+
+
 # ------------------------------------------------------------------ admission control, in process
 
 def server(certs, **limits) -> ServerThread:

@@ -21,6 +21,7 @@ import pytest
 
 from edged.config import hash_api_key
 from edged.server.h3_client import H3Client
+from edged.server.quic_routing import CidRoute
 from helpers.daemon import DaemonProcess, start_daemon, write_config
 from helpers.metrics import metric_value
 
@@ -70,12 +71,14 @@ def sse_text(raw: bytes) -> tuple[str, bool]:
 
 async def stream_on_new_connection(d: DaemonProcess, body: bytes, headers: dict | None = None,
                                    idle_timeout: float = 60.0, started: asyncio.Event | None = None,
-                                   ) -> tuple[str | None, str, bool]:
+                                   worker_index: int | None = None) -> tuple[str | None, str, bool]:
     """(worker, text, ended with [DONE]) of one streamed chat on its own connection; a connection
-    that dies mid-stream gives what arrived before, not [DONE]."""
+    that dies mid-stream gives what arrived before, not [DONE]. worker_index picks the worker of two
+    (through the first connection ID) where the test needs streams on both; random otherwise."""
     raw = b""
     worker = None
-    async with H3Client(d.host, d.port, ca_file=d.ca_file, idle_timeout=idle_timeout) as c:
+    dcid = None if worker_index is None else CidRoute(worker_index, 2).new_cid()
+    async with H3Client(d.host, d.port, ca_file=d.ca_file, idle_timeout=idle_timeout, initial_dcid=dcid) as c:
         rs = await c.stream("POST", "/v1/chat/completions", {"content-type": "application/json", **(headers or AUTH)},
                             body)
         try:
@@ -91,8 +94,10 @@ async def stream_on_new_connection(d: DaemonProcess, body: bytes, headers: dict 
     return worker, text, done
 
 
-async def get_on_new_connection(d: DaemonProcess, path: str, headers: dict | None = None) -> tuple[int, str, str]:
-    async with H3Client(d.host, d.port, ca_file=d.ca_file) as c:
+async def get_on_new_connection(d: DaemonProcess, path: str, headers: dict | None = None,
+                                worker_index: int | None = None) -> tuple[int, str, str]:
+    dcid = None if worker_index is None else CidRoute(worker_index, 2).new_cid()
+    async with H3Client(d.host, d.port, ca_file=d.ca_file, initial_dcid=dcid) as c:
         r = await c.request("GET", path, headers if headers is not None else AUTH)
         return r.status, r.headers.get("x-edged-worker", ""), r.text
 
@@ -113,11 +118,12 @@ def two_workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProc
 def test_streams_on_both_workers_complete_with_the_same_text_as_with_one_worker(
         two_workers: DaemonProcess, tmp_path: Path) -> None:
     async def many() -> list[tuple[str | None, str, bool]]:
-        return await asyncio.gather(*(stream_on_new_connection(two_workers, chat_body(PROMPTS[i % 3], 12))
-                                      for i in range(12)))
+        return await asyncio.gather(*(stream_on_new_connection(two_workers, chat_body(PROMPTS[i % 3], 12),
+                                                               worker_index=i % 2) for i in range(12)))
 
     results = asyncio.run(asyncio.wait_for(many(), 120))
-    assert {w for w, _, _ in results} == {"w0", "w1"}  # 12 connections: both workers served some
+    # the first connection ID picks the worker: each prompt is served by both workers
+    assert [w for w, _, _ in results] == [f"w{i % 2}" for i in range(12)]
     assert all(done for _, _, done in results)
     by_prompt = {p: {text for i, (_, text, _) in enumerate(results) if PROMPTS[i % 3] == p} for p in PROMPTS}
     assert all(len(texts) == 1 for texts in by_prompt.values()), by_prompt
@@ -138,12 +144,13 @@ def test_a_rate_limit_is_counted_once_for_all_workers(two_workers: DaemonProcess
     limited = {"authorization": f"Bearer {RATE_KEY}"}
 
     async def burst() -> list[tuple[int, str, str]]:
-        return await asyncio.gather(*(get_on_new_connection(two_workers, "/v1/models", limited) for _ in range(12)))
+        return await asyncio.gather(*(get_on_new_connection(two_workers, "/v1/models", limited, worker_index=i % 2)
+                                      for i in range(12)))
 
     start = time.monotonic()
     answers = asyncio.run(asyncio.wait_for(burst(), 60))
     elapsed = time.monotonic() - start
-    assert {w for _, w, _ in answers} == {"w0", "w1"}
+    assert [w for _, w, _ in answers] == [f"w{i % 2}" for i in range(12)]
     ok = sum(status == 200 for status, _, _ in answers)
     assert Counter(status for status, _, _ in answers).keys() <= {200, 429}
     # burst 2 plus 1/s over the run, counted once: per-worker buckets would admit 2 more at once
@@ -212,7 +219,7 @@ def test_a_killed_worker_loses_only_its_streams_is_restarted_and_drains_on_sigte
             started = [asyncio.Event() for _ in range(10)]
             streams = [asyncio.create_task(stream_on_new_connection(
                 d, chat_body("Count slowly to one thousand.", 100, ignore_eos=True), idle_timeout=4.0,
-                started=ev)) for ev in started]
+                started=ev, worker_index=i % 2)) for i, ev in enumerate(started)]
             await asyncio.wait_for(asyncio.gather(*(ev.wait() for ev in started)), 60)
             os.kill(pids["w1"], signal.SIGKILL)
             killed = time.monotonic()
@@ -226,7 +233,7 @@ def test_a_killed_worker_loses_only_its_streams_is_restarted_and_drains_on_sigte
             return await asyncio.gather(*streams), served if served is not None else float("inf")
 
         results, served_after = asyncio.run(asyncio.wait_for(go(), 180))
-        assert {w for w, _, _ in results} == {"w0", "w1"}
+        assert [w for w, _, _ in results] == [f"w{i % 2}" for i in range(10)]
         for worker, text, done in results:
             if worker == "w0":  # the survivor's streams run to their end
                 assert done and text, (worker, text[-40:])
@@ -249,14 +256,14 @@ def test_a_killed_worker_loses_only_its_streams_is_restarted_and_drains_on_sigte
         async def drain() -> list:
             started = [asyncio.Event() for _ in range(8)]
             streams = [asyncio.create_task(stream_on_new_connection(
-                d, chat_body("Write a short poem about rivers.", 40, ignore_eos=True), started=ev))
-                for ev in started]
+                d, chat_body("Write a short poem about rivers.", 40, ignore_eos=True), started=ev,
+                worker_index=i % 2)) for i, ev in enumerate(started)]
             await asyncio.wait_for(asyncio.gather(*(ev.wait() for ev in started)), 60)
             d.proc.send_signal(signal.SIGTERM)
             return await asyncio.gather(*streams)
 
         drained = asyncio.run(asyncio.wait_for(drain(), 120))
-        assert {w for w, _, _ in drained} == {"w0", "w1"}
+        assert [w for w, _, _ in drained] == [f"w{i % 2}" for i in range(8)]
         assert all(done and text for _, text, done in drained)  # every stream ran to its end
         assert d.proc.wait(60) == 0
         assert "engine core stopped" in d.log_text()

@@ -279,7 +279,8 @@ class H3Client:
     def __init__(self, host: str, port: int, *, ca_file: str | None = None, insecure: bool = False,
                  server_name: str | None = None, connect_timeout: float = 5.0, idle_timeout: float = 60.0,
                  session_ticket: SessionTicket | None = None,
-                 on_ticket: Callable[[SessionTicket], None] | None = None) -> None:
+                 on_ticket: Callable[[SessionTicket], None] | None = None,
+                 initial_dcid: bytes | None = None) -> None:
         self.host = host
         self.port = port
         self.ca_file = ca_file
@@ -289,6 +290,9 @@ class H3Client:
         self.idle_timeout = idle_timeout
         self.session_ticket = session_ticket  # offered for resumption / 0-RTT
         self.on_ticket = on_ticket
+        # the first Initial's Destination Connection ID (random when None): a server that steers by
+        # connection ID (edged's workers) picks the worker from it, so a caller can pick the worker
+        self.initial_dcid = initial_dcid
         self.new_tickets: list[SessionTicket] = []  # received on this connection, newest last
         self._addr: Any = None
         self._watchdog: asyncio.Future[None] | None = None
@@ -347,6 +351,10 @@ class H3Client:
         family, _, _, _, addr = infos[0]
         self._family, self._addr = family, addr[:2]
         quic = _ClientConnection(configuration=config, session_ticket_handler=self._ticket_received)
+        if self.initial_dcid is not None:
+            if not 8 <= len(self.initial_dcid) <= 20:  # RFC 9000 7.2: at least 8 bytes, at most 20
+                raise ValueError("initial_dcid must be 8 to 20 bytes")
+            quic._peer_cid.cid = quic._original_destination_connection_id = self.initial_dcid
         self._transport, protocol = await loop.create_datagram_endpoint(
             lambda: _ClientProtocol(quic), family=family, remote_addr=addr[:2])
         self._protocol = protocol
