@@ -3,6 +3,7 @@ the tiny real engine where the output must be checked token by token."""
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -72,8 +73,10 @@ def test_under_sustained_load_no_tier_starves_and_shares_follow_the_weights() ->
         expected = fair[name] * wl.duration_s
         assert 0.7 * expected <= r.completed <= 1.3 * expected + 5, (name, expected, rep.table())
         assert r.attainment >= 0.95, rep.table()
-    # Gold and silver ask for less than their share: they get all of it.
-    assert rep.tiers["gold"].rejected_total == 0 and rep.tiers["silver"].rejected_total <= 5
+    # Gold and silver ask for less than their share: they get (nearly) all of it. Silver gives up a
+    # little (7 of 478 here): while gold decodes, lower tiers' decodes keep within 1.75x of its step.
+    silver = rep.tiers["silver"]
+    assert rep.tiers["gold"].rejected_total == 0 and silver.rejected_total <= 0.02 * silver.offered
 
 
 def test_when_every_tier_is_backlogged_completions_follow_the_weights() -> None:
@@ -306,6 +309,25 @@ def test_step_stats_recover_the_step_cost_model() -> None:
     assert m.c == pytest.approx(cost.c, rel=0.02)
 
 
+def test_decode_steps_are_measured_per_batch_size_where_the_fit_is_not_linear() -> None:
+    """A CPU reads the weights once for a few rows (flat), then pays per row: the linear fit misjudges
+    small batches; decode_step_s and decodes_within use what each batch size measured."""
+    stats = StepStats(prior=StepModel(0.01, 0.001, 0.001))
+    decode_s = {1: 0.013, 2: 0.014, 3: 0.015, 4: 0.030, 8: 0.060}
+    for _ in range(30):
+        for n, t in decode_s.items():
+            stats.record_step(t, 0, n)
+        stats.record_step(0.2, 64, 4)  # a prompt step: fitted, not a decode measurement
+    for n, t in decode_s.items():
+        assert stats.decode_step_s(n) == pytest.approx(t)
+    assert stats.decode_step_s(5) == pytest.approx(stats.predict_step(0, 5))  # never seen: the fit
+    assert abs(stats.predict_step(0, 3) - 0.015) > 0.003  # what the fit alone would have said
+    assert stats.decodes_within(0.0155, 64) == 3
+    assert stats.decodes_within(0.001, 64) == 1 and stats.decodes_within(10.0, 64) == 64
+    stats.reset()
+    assert stats.decode_step_s(3) == pytest.approx(stats.prior(0, 3))
+
+
 
 def test_step_stats_reset_forgets_compile_stalls_and_warm_up_lengths_separately() -> None:
     """The daemon's warm-up: its first pass compiles (stalls), its second measures; neither pass's
@@ -468,9 +490,19 @@ class Arrivals:
         return list(self._requests)
 
 
+@dataclass
+class SpiedStep:
+    predicted: float  # the step's time under the simulated cost
+    bound: float  # the batcher's step bound
+    at: float  # when it was planned
+    gold_prompt: bool  # a gold prompt chunk ran in it
+    lower: bool  # a lower tier had a chunk in it
+    gold_decodes: int
+    lower_decodes: int  # lower tiers' decodes (not prompt chunks)
+
+
 class StepSpy:
-    """Records each planned step's predicted time, its bound, whether a gold prompt was in it, when,
-    and whether a lower tier had a chunk in it."""
+    """Records each planned step (SpiedStep)."""
 
     def __init__(self, sim: SimEngine) -> None:
         self.sim, self.steps = sim, []
@@ -479,22 +511,26 @@ class StepSpy:
         def spy():
             plan = schedule()
             b = sim.batcher
-            gold_prompt = any(c.num_new_tokens > 1 and b.queues.entries[c.seq].tier == "gold" for c in plan.chunks)
-            lower = any(b.queues.entries[c.seq].tier != "gold" for c in plan.chunks)
-            self.steps.append((CPU_COST(plan.num_prefill_tokens, len(plan.chunks)), b.step_bound_s, gold_prompt,
-                               b.clock(), lower))
+            rows = [(b.queues.entries[c.seq].tier == "gold", c.num_new_tokens > 1, c.seq.num_generated > 0)
+                    for c in plan.chunks]
+            self.steps.append(SpiedStep(
+                sim.cost(plan.num_prefill_tokens, len(plan.chunks)), b.step_bound_s, b.clock(),
+                gold_prompt=any(gold and prompt for gold, prompt, _ in rows),
+                lower=any(not gold for gold, _, _ in rows),
+                gold_decodes=sum(gold and decode for gold, _, decode in rows),
+                lower_decodes=sum(not gold and decode for gold, _, decode in rows)))
             return plan
 
         sim.batcher.schedule = spy
 
 
-def burst_run(gold_only: bool = False) -> SimEngine:
+def burst_run(gold_only: bool = False, cost: StepCost = CPU_COST) -> SimEngine:
     """One solo gold at t=0; then (unless gold_only) 96 bronze streams at t=1 and 8 gold, one every 0.4 s."""
     reqs = [sim_request("solo", "gold", 0.0, prompt=30, out=16)]
     if not gold_only:
         reqs += [sim_request(f"b{i}", "bronze", 1.0, prompt=30, out=64) for i in range(96)]
         reqs += [sim_request(f"g{i}", "gold", 2.0 + 0.4 * i, prompt=30, out=16) for i in range(8)]
-    sim = SimEngine(limits=CPU_LIMITS, cost=CPU_COST)
+    sim = SimEngine(limits=CPU_LIMITS, cost=cost)
     sim.spy = StepSpy(sim)
     sim.run(Arrivals(reqs))
     return sim
@@ -521,11 +557,11 @@ def test_a_bronze_burst_keeps_gold_within_2x_of_solo_and_is_refused_early() -> N
     assert bronze.attainment >= 0.9, sim.table() if hasattr(sim, "table") else bronze
     assert bronze.completed == bronze.admitted and gold.completed == gold.admitted
     # No step outlasts the bound (a gold prompt may take up to a quarter of gold's TTFT target).
-    for predicted, bound, gold_prompt, _, _ in sim.spy.steps:
-        limit = max(bound, 0.25 * gold.target_s) if gold_prompt else bound
-        assert predicted <= limit + CPU_COST(8, 1) - CPU_COST.a, (predicted, bound, gold_prompt)
+    for st in sim.spy.steps:
+        limit = max(st.bound, 0.25 * gold.target_s) if st.gold_prompt else st.bound
+        assert st.predicted <= limit + CPU_COST(8, 1) - CPU_COST.a, st
     # Each burst gold prompt ran in a step of its own: bronze's decodes and prompts waited that step.
-    gold_prompt_steps = [lower for _, _, gold_prompt, t, lower in sim.spy.steps if gold_prompt and t >= 1.0]
+    gold_prompt_steps = [st.lower for st in sim.spy.steps if st.gold_prompt and st.at >= 1.0]
     assert len(gold_prompt_steps) == 8 and not any(gold_prompt_steps)
     snap = sim.batcher.snapshot()
     assert snap["gold"]["tpot_count"] == 9 and snap["gold"]["tpot_attainment"] == 1.0
@@ -544,9 +580,32 @@ def test_a_stream_of_gold_prompts_holds_lower_tiers_back_in_few_steps() -> None:
         sim.submit(sim_request(f"g{i}", "gold", sim.clock(), prompt=8, out=1))
         sim.step()
     steps = sim.spy.steps[20:]  # bronze is decoding from here on
-    held = [not lower for _, _, gold_prompt, _, lower in steps if gold_prompt]
+    held = [not st.lower for st in steps if st.gold_prompt]
     assert len(held) >= 150 and 0 < sum(held) <= 0.2 * len(steps)
-    assert sum(lower for *_, lower in steps) >= 0.8 * len(steps)
+    assert sum(st.lower for st in steps) >= 0.8 * len(steps)
+
+
+# The shipped 2-core box as its engine measured itself in a burst: a step reads the weights once
+# (a few ms) and then pays ~7 ms for every row, decode or prompt chunk alike.
+ROW_BOUND_COST = StepCost(a=0.006, b=0.0024, c=0.007)
+
+
+def test_where_each_row_is_costly_gold_decodes_within_twice_its_own_step() -> None:
+    """Gold's TPOT target (40 ms, 30 ms a step) allows three rows here, 2.1x gold's own step: lower
+    tiers' decodes ride along only within pace_vs_alone of it."""
+    solo = burst_run(gold_only=True, cost=ROW_BOUND_COST)
+    sim = burst_run(cost=ROW_BOUND_COST)
+    assert tpot_of(sim, "gold") <= 2 * tpot_of(solo, "gold"), (tpot_of(solo, "gold"), tpot_of(sim, "gold"))
+    pace = sim.batcher.pace_vs_alone
+    ridden = 0
+    for st in sim.spy.steps:
+        if st.gold_decodes and st.lower_decodes:
+            ridden += 1
+            rows = st.gold_decodes + st.lower_decodes
+            assert ROW_BOUND_COST(0, rows) <= pace * ROW_BOUND_COST(0, st.gold_decodes) + 1e-9, st
+    assert ridden >= 50  # bronze did decode beside gold
+    bronze = sim.results["bronze"]
+    assert bronze.completed == bronze.admitted > 0 and bronze.attainment >= 0.9
 
 
 def test_the_step_budget_follows_the_tightest_tier_in_use() -> None:

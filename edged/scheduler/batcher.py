@@ -15,8 +15,10 @@ code runs on CPU and GPU: only the measured costs differ.
 Each step, in this order, within those limits and the free KV blocks:
 
 1. every running sequence that is decoding gets its one token (most important tier first); a
-   lower tier's decode waits a step when it would push the step past the bound (pace per tier: gold
-   never decodes at bronze's pace). A step in which the protected tier has a prompt to compute is
+   lower tier's decode waits a step when it would push the step past the bound, and, while the
+   protected tier decodes, past `pace_vs_alone` (1.75) times what a step of the protected tier's
+   decodes alone takes (measured per batch size: step_stats.decode_step_s), so gold never decodes at
+   bronze's pace however much slack its TPOT target leaves. A step in which the protected tier has a prompt to compute is
    its own: lower tiers' decodes and prompts wait, and its waiting requests skip their batch window,
    so its first token costs what it would on an idle engine; lower tiers give at most about a tenth
    of steps this way (`yield_share_max`), so a stream of protected arrivals cannot starve them;
@@ -107,7 +109,7 @@ class Batcher:
                  step_stats: StepStats | None = None, board: TierBoard | None = None,
                  preemption: str = "recompute", urgency_fraction: float = 0.25, max_preemptions: int = 3,
                  policy: AdaptPolicy | None = None, step_fraction: float = 0.1, pace_fraction: float = 0.75,
-                 min_prefill_tokens: int = 8, in_use_s: float = 60.0) -> None:
+                 pace_vs_alone: float = 1.75, min_prefill_tokens: int = 8, in_use_s: float = 60.0) -> None:
         self.blocks = blocks
         self.limits = limits
         self.clock = clock
@@ -122,10 +124,12 @@ class Batcher:
         self.max_preemptions = max_preemptions
         self.step_fraction = step_fraction
         self.pace_fraction = pace_fraction
+        self.pace_vs_alone = pace_vs_alone
         self.min_prefill_tokens = min_prefill_tokens
         self.in_use_s = in_use_s
         # This step's derived limits (see _derive_limits); also read by tests and admission.
         self.step_bound_s = float("inf")
+        self.decode_bound_s = float("inf")  # the bound lower tiers' decodes keep (see _derive_limits)
         self.seq_cap = limits.max_num_seqs
         self.admission_cap = limits.max_num_seqs  # the lower tiers' batch cap admission counts on
         self.pace_share = 0.0  # decaying share of recent steps bounded by the protected tier's pace
@@ -208,12 +212,13 @@ class Batcher:
         e = self.queues.entries[seq]
         return (self.board.tiers[e.tier].rank, e.deadline, e.serial)
 
-    def _add_chunk(self, seq: Sequence, n: int) -> None:
+    def _add_chunk(self, seq: Sequence, n: int, decode: bool = False) -> None:
         chunk = ScheduledChunk(seq, n)
         self._plan.chunks.append(chunk)
         self._chunks[seq] = chunk
         self._budget -= n
-        if n > 1 and self.queues.rank_of(self.queues.entries[seq]) > self.protected_rank:
+        # a lower tier's prompt chunk, even of one token, uses the room the bound left them
+        if not decode and self.queues.rank_of(self.queues.entries[seq]) > self.protected_rank:
             self._lower_left -= n
 
     def _room(self, seq: Sequence) -> int:
@@ -416,12 +421,12 @@ class Batcher:
                 break
             if seq not in self.running or seq.num_uncomputed != 1:
                 continue
-            if (hold or (decodes and m.a + max(m.c, m.b) * (decodes + 1) > self.step_bound_s)) and \
+            if (hold or (decodes and self.step_stats.decode_step_s(decodes + 1) > self.decode_bound_s)) and \
                     self.queues.rank_of(self.queues.entries[seq]) > self.protected_rank:
                 self.deferred_decodes += 1
                 continue
             if self._grow(seq, 1):
-                self._add_chunk(seq, 1)
+                self._add_chunk(seq, 1, decode=True)
                 decodes += 1
         # Prompt tokens this step: what the bound leaves after the decodes (at least a small chunk, so
         # prefill always progresses), within the configured budget.
@@ -437,11 +442,12 @@ class Batcher:
         # 2. Urgent waiting requests (may preempt lower tiers).
         urgent = self._urgent_fn(running_before)
         self._start_waiting(True, idle, urgent)
-        # 3. Prefill chunks of running sequences.
+        # 3. Prefill chunks of running sequences. One token left is step 1's to run or defer: a decode
+        # held back there must not come back here as a one-token chunk.
         for seq in sorted(self.running, key=self._prio):
             if self._budget <= 0:
                 break
-            if seq in self.running and seq not in self._chunks and seq.num_uncomputed > 0:
+            if seq in self.running and seq not in self._chunks and seq.num_uncomputed > 1:
                 n = min(seq.num_uncomputed, self._room(seq))
                 if n <= 0:
                     continue
@@ -468,38 +474,43 @@ class Batcher:
 
         A step cannot be interrupted, so a request arriving during it waits for it: the bound is
         step_fraction of the tightest TTFT target among the tiers in use (queued, running or seen in
-        the last in_use_s), and pace_fraction of the tightest TPOT target among tiers decoding now. The
-        batch cap for starting sequences of tiers below the protected one (the most important tier in
-        use) is what fits the bound beside a small prefill chunk; the configured cap stays the limit."""
+        the last in_use_s), and pace_fraction of the tightest TPOT target among tiers decoding now.
+        Lower tiers' decodes also keep `decode_bound_s`: while the protected tier (the most important
+        in use) decodes beside them, pace_vs_alone times its decodes' own step. The batch cap for
+        starting sequences of lower tiers is the batch of decodes that fits that bound; the configured
+        cap stays the limit."""
         m = self.step_stats.model
         tiers = self.board.in_use(now, self.in_use_s) or list(self.board.tiers.values())
         bound = ttft_bound = min(st.target_s for st in tiers) * self.step_fraction
         self.pace_bound = False
+        top = min(t.rank for t in tiers)
+        protected_running = sum(t.running for t in tiers if t.rank == top)
+        decode_bound = float("inf")
         for st in tiers:
-            if st.running and st.tpot_target_s is not None and st.tpot_target_s * self.pace_fraction < bound:
+            if not st.running or st.tpot_target_s is None:
+                continue
+            if st.tpot_target_s * self.pace_fraction < bound:
                 bound = st.tpot_target_s * self.pace_fraction
-                self.pace_bound = st.rank == min(t.rank for t in tiers)
+                self.pace_bound = st.rank == top
+            if st.rank == top and any(t.running for t in tiers if t.rank > top):
+                decode_bound = self.pace_vs_alone * self.step_stats.decode_step_s(protected_running)
         self.step_bound_s = bound
-        self.protected_rank = min(st.rank for st in tiers)
+        self.decode_bound_s = min(bound, decode_bound)
+        self.protected_rank = top
         self.protected_ttft_s = min(st.target_s for st in tiers if st.rank == self.protected_rank)
         cap = max(1, self.limits.max_num_seqs)
-        # A decode row costs at least what a prompt token does (one token through the model, plus its
-        # attention): the guard keeps a noisy fit (c near 0) from opening the whole batch.
-        c = max(m.c, m.b)
-        self.seq_cap = cap if c <= 0 else max(1, min(cap, int((bound - m.a) / c)))
+        within = self.step_stats.decodes_within
+        self.seq_cap = within(self.decode_bound_s, cap)
         # What admission counts on for lower tiers: the cap with the protected tier's pace held, in the
         # share of recent steps that held it, and at least half the time (its requests may decode at
         # any time while a lower tier's queue drains: a burst is judged before they show).
         self.pace_share += 0.02 * (float(self.pace_bound) - self.pace_share)
-        paced = min([ttft_bound] + [st.tpot_target_s * self.pace_fraction for st in tiers
-                                    if st.tpot_target_s is not None and st.rank == self.protected_rank])
-        if c <= 0:
-            self.admission_cap = cap
-        else:
-            free_cap = min(cap, int((ttft_bound - m.a) / c))
-            paced_cap = min(cap, int((paced - m.a) / c))
-            share = max(self.pace_share, 0.5)  # the floor: fewer of a burst served late (issue 14's runs)
-            self.admission_cap = max(1, round(share * paced_cap + (1 - share) * free_cap))
+        paced = min([ttft_bound, self.pace_vs_alone * self.step_stats.decode_step_s(max(1, protected_running))]
+                    + [st.tpot_target_s * self.pace_fraction for st in tiers
+                       if st.tpot_target_s is not None and st.rank == self.protected_rank])
+        free_cap, paced_cap = within(ttft_bound, cap), within(paced, cap)
+        share = max(self.pace_share, 0.5)  # the floor: fewer of a burst served late (issue 14's runs)
+        self.admission_cap = max(1, round(share * paced_cap + (1 - share) * free_cap))
         return m
 
     def _protected_prefill_waiting(self) -> bool:

@@ -3,7 +3,7 @@
 The engine reports every step (wall time, prompt tokens computed, sequences in the batch); a
 recursive least-squares fit with forgetting keeps `step_s = a + b * prefill_tokens + c * batch_size`
 current, so a slower or faster phase (thermal throttling, a busy PCIe link) shows up within a few
-dozen steps. Finished sequences report how many tokens they generated, which gives the mean time a
+dozen steps; steps that only decode are also averaged per batch size (`decode_step_s`). Finished sequences report how many tokens they generated, which gives the mean time a
 sequence holds a batch slot. Written on the engine thread, read on the event loop: thread-safe.
 """
 from __future__ import annotations
@@ -22,6 +22,8 @@ N_SCALE = 4.0
 # one-off stall (a kernel compiled on its first use, a page fault storm) must not teach admission
 # that every step is slow, while a device that really is slower still moves the fit 4x per step.
 OUTLIER_FACTOR = 4.0
+# Weight of a new pure-decode step in the per-batch-size average (`decode_step_s`).
+DECODE_EWMA = 0.2
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +87,7 @@ class StepStats:
                 self._dirty = False
                 self.steps = 0
                 self.last_step_s = 0.0
+                self._decode: dict[int, float] = {}
             if service:
                 self._mean_output = self._mean_output_prior
                 self._finished = 0
@@ -108,6 +111,9 @@ class StepStats:
             self.steps += 1
             self.last_step_s = duration_s
             self._dirty = True
+            if prefill_tokens == 0:
+                prev = self._decode.get(batch_size)
+                self._decode[batch_size] = duration_s if prev is None else prev + DECODE_EWMA * (duration_s - prev)
 
     def record_finished(self, generated_tokens: int, slot_s: float | None = None) -> None:
         """A sequence finished (not cancelled) after generating this many tokens, having held a batch
@@ -150,6 +156,30 @@ class StepStats:
 
     def predict_step(self, prefill_tokens: float, batch_size: float) -> float:
         return self.model(prefill_tokens, batch_size)
+
+    def decode_step_s(self, batch_size: int) -> float:
+        """A step of `batch_size` decodes and no prompt: as measured at that size (a moving average),
+        else the fit's prediction. Decode cost is not linear in the batch on every device (a CPU reads
+        the weights once for a few rows, then computes per row), and the pace of a tier is set by it."""
+        with self._lock:
+            measured = self._decode.get(batch_size)
+        return measured if measured is not None else self.predict_step(0, batch_size)
+
+    def decodes_within(self, bound_s: float, cap: int) -> int:
+        """The largest batch of decodes, 1 to cap, whose step (decode_step_s) fits in bound_s; a binary
+        search, taking the step time as growing with the batch."""
+        m = self.model
+        with self._lock:
+            table = self._decode
+            lo, hi = 1, max(1, cap)
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                t = table.get(mid)
+                if (t if t is not None else m(0, mid)) <= bound_s:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            return lo
 
     @property
     def prefill_s_per_token(self) -> float:
