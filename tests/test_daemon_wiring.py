@@ -39,6 +39,21 @@ def test_batch_limits_take_the_config_then_the_topology_then_the_graph_size(topo
     assert (limits.max_num_seqs, limits.max_batch_tokens) == want
 
 
+def test_the_cpu_warm_up_measures_decode_steps_of_several_rows() -> None:
+    """Admission judges a first burst with the step model: on the CPU too, start-up measures the
+    decode steps of batches, not only of one row (whose cost says nothing of the next rows')."""
+    tiny = tiny_engine(num_blocks=256, max_num_seqs=32, max_batch_tokens=256)
+    d = EngineCore(config(), "", None, [])
+    d.engine, d.front = tiny, SimpleNamespace(max_model_len=tiny.max_model_len)
+    d._send_outputs = lambda outputs: None
+    try:
+        d._warm_up()
+    finally:
+        tiny.stop()
+    stats = tiny.batcher.step_stats
+    assert max(stats.measured_decode_sizes()) >= 3 and stats.steps > 0
+
+
 def plx_gen4_x8(fs: FakeSysfs, cpulist: str) -> None:
     """Root port x16 Gen4 -> PLX switch -> GPU at x8: 2 bridge hops, base 32 -> cap max(8, 32 // 3) = 10."""
     rp = fs.root_port("0000:00:03.0", speed=4, width=16)

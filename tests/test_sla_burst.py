@@ -2,7 +2,7 @@
 
 96 bronze streams (64 tokens each) arrive at once, then 8 gold streams (16 tokens) one every 0.4 s.
 Every threshold is relative to a solo gold run measured in the same test on the same daemon, so the
-test holds on any machine: gold's time to first token and time per output token stay within 2x of
+test holds on any machine: gold's time to first token and time per output token stay near (2x) its
 solo, bronze requests that cannot meet their own target are refused (429 with Retry-After) rather
 than served late, and every admitted request completes.
 """
@@ -128,19 +128,16 @@ def test_a_bronze_burst_does_not_slow_gold_and_is_refused_rather_than_served_lat
     assert all(r.status == 200 and r.done and r.tokens == GOLD_TOKENS for r in gold)
     assert all(r.done and r.tokens == BRONZE_TOKENS for r in admitted)
     # Gold keeps its first token and its pace near its solo figures. The issue asks for 2x; on this
-    # 2-core box 14 of 16 runs land within 2x for TTFT (up to 2.64x) and 12 of 16 for the pace (up to
-    # 2.54x) (docs/BENCHMARKS.md); a busier or faster minute moves the solo run and the burst
-    # differently, so the test holds 3.5x and 3x, which still fails the behaviour it was written
-    # against (TTFT 40x, pace 20x solo).
-    assert p90(gold_ttft) <= 3.5 * solo_ttft
-    assert statistics.median(gold_tpot) <= 3 * solo_tpot
+    # 2-core box 8 runs of this test gave 1.29-1.72x for TTFT and 1.50-1.76x for the pace
+    # (docs/BENCHMARKS.md); the test holds 2.5x, so that a noisier minute for the solo run than for the
+    # burst does not fail it, and still fails the behaviour it was written against (TTFT 40x, pace 20x).
+    assert p90(gold_ttft) <= 2.5 * solo_ttft
+    assert statistics.median(gold_tpot) <= 2.5 * solo_tpot
     # Bronze that could not meet its own target was refused with 429 and Retry-After, not served late.
     assert refused, "a burst beyond bronze's target must be refused"
     assert all(r.status == 429 and r.retry_after for r in refused)
     assert admitted
-    # Most admitted bronze start within bronze's 10 s target. Not all yet: the burst is judged before
-    # the engine has run a batch of more than one sequence, so the per-sequence cost is a guess, and
-    # admission cannot see the gold requests that will hold bronze's decodes back (see the
-    # edged_ttft_prediction_* metrics).
+    # Admitted bronze starts within bronze's 10 s target (4.1-4.8 s at most in those runs): admission
+    # judges the burst with step costs measured at start-up, batches included.
     late = [r for r in admitted if (r.ttft_s or 0) > 10.0]
-    assert len(late) <= len(admitted) // 2
+    assert not late, [r.ttft_s for r in late]

@@ -123,7 +123,8 @@ class EngineCore:
     def _warm_up(self) -> None:
         """Real steps through every layer before READY, so the first clients do not pay for them: one
         prompt of each length alone (batched together they would make one step of their summed size),
-        then batches on CUDA (WARMUP_BATCHES); run twice, the second time to measure the step model."""
+        then batches (WARMUP_BATCHES); run twice, the second time to measure the step model (on the CPU,
+        where nothing compiles per shape, the batches run in that pass only)."""
         cuda = self.engine.runner.device.type == "cuda"
         # The CPU kernels compile once, not per shape: one short prompt warms everything there.
         lengths = WARMUP_PROMPT_TOKENS if cuda else WARMUP_PROMPT_TOKENS[:1]
@@ -160,11 +161,13 @@ class EngineCore:
             if not event.wait(600):
                 raise RuntimeError(f"the warm-up {what} did not finish")
 
-        def run_all() -> None:
+        def run_all(measuring: bool) -> None:
             for n in fits:
                 submit([request(n)])
                 wait(finished, f"prompt of {n} tokens")
-            if cuda:
+            if cuda or measuring:
+                # on the CPU only to measure: batches' decode steps, without which the step model knows
+                # one row's cost only (admission would judge a first burst by its prior)
                 (few, few_len), (many, many_len) = WARMUP_BATCHES
                 submit([request(few_len, max_tokens=12) for _ in range(few)])
                 wait(stepped, "batch's first step")
@@ -174,9 +177,9 @@ class EngineCore:
         self.engine.on_outputs = on_outputs
         self.engine.start(self._pin_engine_thread)
         stats = self.engine.batcher.step_stats
-        run_all()  # compiles: these step times are compile stalls
+        run_all(measuring=False)  # compiles: these step times are compile stalls
         stats.reset()
-        run_all()  # the same steps compiled: admission starts from what they really cost
+        run_all(measuring=True)  # the same steps compiled: admission starts from what they really cost
         stats.reset(steps=False)  # but not from warm-up sequences' few tokens each
         self.engine.on_outputs = self._send_outputs
 

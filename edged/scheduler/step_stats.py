@@ -165,6 +165,11 @@ class StepStats:
             measured = self._decode.get(batch_size)
         return measured if measured is not None else self.predict_step(0, batch_size)
 
+    def measured_decode_sizes(self) -> list[int]:
+        """The batch sizes decode_step_s has measurements for."""
+        with self._lock:
+            return sorted(self._decode)
+
     def decodes_within(self, bound_s: float, cap: int) -> int:
         """The largest batch of decodes, 1 to cap, whose step (decode_step_s) fits in bound_s; a binary
         search, taking the step time as growing with the batch."""
