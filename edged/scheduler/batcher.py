@@ -18,10 +18,11 @@ Each step, in this order, within those limits and the free KV blocks:
    lower tier's decode waits a step when it would push the step past the bound, and, while the
    protected tier decodes, past `pace_vs_alone` (1.75) times what a step of the protected tier's
    decodes alone takes (measured per batch size: step_stats.decode_step_s), so gold never decodes at
-   bronze's pace however much slack its TPOT target leaves. A step in which the protected tier has a prompt to compute is
-   its own: lower tiers' decodes and prompts wait, and its waiting requests skip their batch window,
-   so its first token costs what it would on an idle engine; lower tiers give at most about a tenth
-   of steps this way (`yield_share_max`), so a stream of protected arrivals cannot starve them;
+   bronze's pace however much slack its TPOT target leaves. A step in which the protected tier has a
+   prompt to compute is its own: lower tiers' decodes and prompts wait, and its waiting requests
+   skip their batch window, so its first token costs what it would on an idle engine; lower tiers
+   give at most about a tenth of steps this way (`yield_share_max`), so a stream of protected
+   arrivals cannot starve them;
 2. waiting sequences about to miss their TTFT target ("urgent": a quarter of the target left, or
    less than the time to prefill their tier's queue) start, preempting running sequences of
    *lower* tiers if slots or blocks are short (a free slot goes to an urgent request only if no
@@ -421,7 +422,7 @@ class Batcher:
                 break
             if seq not in self.running or seq.num_uncomputed != 1:
                 continue
-            if (hold or (decodes and self.step_stats.decode_step_s(decodes + 1) > self.decode_bound_s)) and \
+            if (hold or decodes >= self.seq_cap) and \
                     self.queues.rank_of(self.queues.entries[seq]) > self.protected_rank:
                 self.deferred_decodes += 1
                 continue
