@@ -241,6 +241,27 @@ def test_an_unreachable_deadline_gets_429_and_lower_tiers_are_refused_first() ->
     assert refused["bronze"] / 225 > refused["gold"] / 75  # bronze is refused at a higher rate
 
 
+def test_a_recent_tier_of_short_answers_keeps_fewer_slots_from_a_lower_tiers_drain() -> None:
+    """Admission sets an idle higher tier's recent demand aside, in slot time: gold asking 16 tokens a
+    request holds a slot a quarter as long as bronze's 64, so it takes less of bronze's drain rate."""
+    def bronze_prediction(gold_out: int) -> float:
+        clock = SimClock()
+        stats = StepStats(prior=StepModel(0.01, 0.0005, 0.002))
+        batcher = Batcher(BlockManager(4096, 16), BatchLimits(4, 256), default_tiers(), "bronze", clock=clock,
+                          step_stats=stats)
+        adm = batcher.admission()
+        for i in range(6):  # one a second
+            adm.admit(sim_request(f"g{i}", "gold", arrival=clock(), out=gold_out))
+            adm.release(f"g{i}")  # served: gold is idle, its recent rate remains
+            clock.advance(1.0)
+        for i in range(5):
+            adm.admit(sim_request(f"b{i}", "bronze", arrival=clock(), out=64))
+        return adm.predict_ttft("bronze", 64)
+
+    short, long = bronze_prediction(16), bronze_prediction(64)
+    assert short < 0.8 * long, (short, long)
+
+
 def test_default_and_unknown_tiers_resolve_to_the_configured_default() -> None:
     batcher = Batcher(BlockManager(64, 16), BatchLimits(4, 256), default_tiers(), "bronze", clock=SimClock())
     adm = batcher.admission()

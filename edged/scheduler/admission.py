@@ -10,8 +10,9 @@ Runs on the event loop before a request goes to the engine. For a request of tie
 The prediction counts what starts before it - all of T's queue (earliest deadline first) and of
 every other tier the share weighted-fair queueing gives it meanwhile - and how fast T's queue
 drains: T's weighted max-min fair share of the batch slots (slots / mean slot time, with the tiers
-that have a queue taking their full share and the others what they asked for lately), or the drain
-rate measured while T was backlogged if that is lower. To the slot wait it adds the prefill time of
+that have a queue taking their full share and the others what they asked for lately, counted in
+slot time: a tier of short answers holds its slots for less), or the drain rate measured while T
+was backlogged if that is lower. To the slot wait it adds the prefill time of
 what is ahead plus its own prompt, from the engine's recent step times (step_stats.py). The estimate
 must stay under `headroom` x target.
 
@@ -202,10 +203,13 @@ class AdmissionController:
         preemptable = 0
         demand: dict[str, float] = {}
         weights: dict[str, float] = {}
+        my_out = me.expected_output() or stats.mean_output_tokens
         for name, st in board.tiers.items():
             weights[name] = st.config.weight
-            # A backlogged tier takes all its share; an idle one what it has been asking for lately.
-            demand[name] = math.inf if (st is me or st.depth) else st.admit_rate.get(now)
+            # A backlogged tier takes all its share; an idle one what it has been asking for lately, in
+            # slots held as long as mine are (a tier of short answers takes fewer slot-seconds a start).
+            demand[name] = math.inf if (st is me or st.depth) else \
+                st.admit_rate.get(now) * (st.expected_output() or my_out) / max(1.0, my_out)
             if st is me:
                 continue
             depth = st.depth
