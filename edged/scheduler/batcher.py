@@ -486,17 +486,16 @@ class Batcher:
         self.pace_bound = False
         top = min(t.rank for t in tiers)
         protected_running = sum(t.running for t in tiers if t.rank == top)
-        decode_bound = float("inf")
+        # the protected tier's decodes alone, times pace_vs_alone: lower tiers' decodes keep within it
+        paced_alone = self.pace_vs_alone * self.step_stats.decode_step_s(max(1, protected_running))
         for st in tiers:
-            if not st.running or st.tpot_target_s is None:
-                continue
-            if st.tpot_target_s * self.pace_fraction < bound:
+            if st.running and st.tpot_target_s is not None and st.tpot_target_s * self.pace_fraction < bound:
                 bound = st.tpot_target_s * self.pace_fraction
                 self.pace_bound = st.rank == top
-            if st.rank == top and any(t.running for t in tiers if t.rank > top):
-                decode_bound = self.pace_vs_alone * self.step_stats.decode_step_s(protected_running)
         self.step_bound_s = bound
-        self.decode_bound_s = min(bound, decode_bound)
+        protected_paced = any(t.running and t.tpot_target_s is not None for t in tiers if t.rank == top)
+        lower_running = any(t.running for t in tiers if t.rank > top)
+        self.decode_bound_s = min(bound, paced_alone) if protected_paced and lower_running else bound
         self.protected_rank = top
         self.protected_ttft_s = min(st.target_s for st in tiers if st.rank == self.protected_rank)
         cap = max(1, self.limits.max_num_seqs)
@@ -506,7 +505,7 @@ class Batcher:
         # share of recent steps that held it, and at least half the time (its requests may decode at
         # any time while a lower tier's queue drains: a burst is judged before they show).
         self.pace_share += 0.02 * (float(self.pace_bound) - self.pace_share)
-        paced = min([ttft_bound, self.pace_vs_alone * self.step_stats.decode_step_s(max(1, protected_running))]
+        paced = min([ttft_bound, paced_alone]
                     + [st.tpot_target_s * self.pace_fraction for st in tiers
                        if st.tpot_target_s is not None and st.rank == self.protected_rank])
         free_cap, paced_cap = within(ttft_bound, cap), within(paced, cap)
