@@ -5,9 +5,12 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_pdl import pdl_begin, pdl_launch
+
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_o, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_o, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_begin(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -30,5 +33,5 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return out
     block = min(triton.next_power_of_2(inter), 1024)
     _silu_and_mul_kernel[(rows, triton.cdiv(inter, block))](x2, out.view(-1, inter), inter, x2.stride(0), inter,
-                                                            BLOCK=block, num_warps=4)
+                                                            BLOCK=block, num_warps=4, **pdl_launch(x2.device))
     return out

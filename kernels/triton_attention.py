@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from .triton_convert import i8_to_f32
+from .triton_pdl import pdl_begin, pdl_launch
 
 _LOG2E = 1.4426950408889634
 
@@ -71,8 +72,9 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, out_pt
                    stride_ksn, stride_kss, stride_ksh, stride_ksg, stride_vsn, stride_vss, stride_vsh, stride_vsg,
                    stride_bt, stride_ob, stride_oh,
                    INT8: tl.constexpr, SPLIT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-                   BLOCK_T: tl.constexpr):
+                   BLOCK_T: tl.constexpr, PDL: tl.constexpr):
     """Program (sequence, kv head, split): all q heads of the kv head over one slice of the context."""
+    pdl_begin(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -117,8 +119,9 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, out_pt
 
 @triton.jit
 def _decode_reduce_kernel(po_ptr, plse_ptr, out_ptr, num_heads, num_splits, head_dim, stride_ob, stride_oh,
-                          BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+                          BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     """Program (sequence, q head): merge the splits' partial softmaxes."""
+    pdl_begin(PDL)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     sp = tl.arange(0, BLOCK_S)
@@ -142,9 +145,11 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, cu_ptr, lens_pt
                     stride_qt, stride_qh, stride_kn, stride_ks, stride_kh, stride_vn, stride_vs, stride_vh,
                     stride_ksn, stride_kss, stride_ksh, stride_ksg, stride_vsn, stride_vss, stride_vsh, stride_vsg,
                     stride_bt, stride_ot, stride_oh,
-                    INT8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                    INT8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                    PDL: tl.constexpr):
     """Program (query tile, q head). Query tiles are numbered over all sequences in order; the grid
     has an upper bound of them (no host sync on cu_seqlens), surplus programs exit."""
+    pdl_begin(PDL)
     tile = tl.program_id(0)
     h = tl.program_id(1)
     # find this tile's sequence: tiles of sequence b follow those of sequences < b
@@ -246,11 +251,11 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], *ss,
         block_tables.stride(0), out.stride(0), out.stride(1),
         INT8=k_scale is not None, SPLIT=split, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
-        BLOCK_T=block_t, num_warps=num_warps, num_stages=2 if on_gpu else 1)
+        BLOCK_T=block_t, num_warps=num_warps, num_stages=2 if on_gpu else 1, **pdl_launch(q.device))
     if split:
         _decode_reduce_kernel[(batch, n_heads)](
             po, plse, out, n_heads, num_splits, head_dim, out.stride(0), out.stride(1),
-            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, num_warps=4)
+            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, num_warps=4, **pdl_launch(q.device))
     return out
 
 
@@ -282,5 +287,5 @@ def attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], *ss,
         block_tables.stride(0), out.stride(0), out.stride(1),
         INT8=k_scale is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        num_warps=4 if block_m <= 64 else 8, num_stages=2 if on_gpu else 1)
+        num_warps=4 if block_m <= 64 else 8, num_stages=2 if on_gpu else 1, **pdl_launch(q.device))
     return out

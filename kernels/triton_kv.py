@@ -8,6 +8,7 @@ import triton
 import triton.language as tl
 
 from .triton_rope import _rope_token, rope_launch_args
+from .triton_pdl import pdl_begin, pdl_launch
 
 
 @triton.jit
@@ -65,7 +66,8 @@ def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, slot_ptr, n_h
                      stride_cn, stride_cs, stride_ch, stride_vn, stride_vs, stride_vch,
                      stride_kqn, stride_kqs, stride_kqh, stride_kqg, stride_vqn, stride_vqs, stride_vqh, stride_vqg,
                      INT8: tl.constexpr, K_ROWS: tl.constexpr, K_COLS: tl.constexpr, V_ROWS: tl.constexpr,
-                     V_COLS: tl.constexpr):
+                     V_COLS: tl.constexpr, PDL: tl.constexpr):
+    pdl_begin(PDL)
     t = tl.program_id(0).to(tl.int64)
     _write_token(k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, slot_ptr, t, n_heads, head_dim, k_groups, v_groups,
                  block_size, stride_kt, stride_kh, stride_vt, stride_vh,
@@ -82,9 +84,10 @@ def _rope_write_kv_kernel(q_ptr, k_ptr, pos_ptr, cs_ptr, n_q, n_k, stride_qt, st
                           stride_kqn, stride_kqs, stride_kqh, stride_kqg, stride_vqn, stride_vqs, stride_vqh,
                           stride_vqg, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr,
                           INT8: tl.constexpr, K_ROWS: tl.constexpr, K_COLS: tl.constexpr, V_ROWS: tl.constexpr,
-                          V_COLS: tl.constexpr):
+                          V_COLS: tl.constexpr, PDL: tl.constexpr):
     """rope then write_kv for one token: q and k rotated in place, then the rotated k (read back from k, so
     rounded to its dtype, as the reference writes it) and v into the cache."""
+    pdl_begin(PDL)
     t = tl.program_id(0).to(tl.int64)
     _rope_token(q_ptr, k_ptr, pos_ptr, cs_ptr, t, n_q, n_k, stride_qt, stride_qh, stride_kt, stride_kh,
                 stride_cos_sin, HALF, BLOCK_HALF, BLOCK_H)
@@ -124,7 +127,8 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         k, v = k.contiguous(), v.contiguous()
     ptrs, groups, strides, blocks = _cache_args(k_cache, v_cache, k_scale, v_scale, n_heads, head_dim)
     _write_kv_kernel[(tokens,)](k, v, *ptrs, slot_mapping, n_heads, head_dim, *groups, k_cache.shape[1],
-                                k.stride(0), k.stride(1), v.stride(0), v.stride(1), *strides, **blocks, num_warps=4)
+                                k.stride(0), k.stride(1), v.stride(0), v.stride(1), *strides, **blocks, num_warps=4,
+                                **pdl_launch(k.device))
 
 
 def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
@@ -142,4 +146,4 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: 
     ptrs, groups, strides, blocks = _cache_args(k_cache, v_cache, k_scale, v_scale, n_heads, head_dim)
     _rope_write_kv_kernel[(tokens,)](q, k, positions, *rope_args, v, *ptrs, slot_mapping, head_dim, *groups,
                                      k_cache.shape[1], v.stride(0), v.stride(1), *strides, **rope_blocks, **blocks,
-                                     num_warps=4)
+                                     num_warps=4, **pdl_launch(k.device))

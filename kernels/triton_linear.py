@@ -30,6 +30,7 @@ from .triton_convert import small_uint_to_f32
 from .triton_activation import silu_and_mul
 from .triton_counters import arrive, check_groups, split_counters
 from .triton_norm import rms_norm
+from .triton_pdl import pdl_begin, pdl_launch
 from .weights import LinearWeight
 
 _FORMATS = {"dense": 0, "w8": 1, "w4": 2}
@@ -123,7 +124,7 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr, 
                  N, K, k_per_split, num_splits, stride_wn, stride_sn, FORMAT: tl.constexpr, HAS_BIAS: tl.constexpr,
                  SPLIT: tl.constexpr, EVEN_K: tl.constexpr, GROUP_SIZE: tl.constexpr, ROWS: tl.constexpr,
                  BLOCK_K: tl.constexpr, VEC: tl.constexpr, NORM: tl.constexpr, SILU: tl.constexpr,
-                 RESIDUAL: tl.constexpr):
+                 RESIDUAL: tl.constexpr, PDL: tl.constexpr):
     """One row of x against ROWS (1, 2 or 4) rows of dense or w8 weights; program (row block, k split).
     Each step loads one [BLOCK_K // VEC, VEC] tile of x (a thread owns VEC consecutive columns, one
     16-byte weight load) and uses it for every weight row: x is read and converted once per ROWS
@@ -134,6 +135,7 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr, 
     Fused around it (decode of one sequence): NORM, x is RMSNorm(x) * nw (inverse RMS over the whole
     row first); SILU, x holds [gate | up] (2K values) and is silu(gate) * up; each rounded to the
     activation dtype as its own op would be. RESIDUAL adds res to the rounded result (_epilogue)."""
+    pdl_begin(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     n0 = pid_n * ROWS
@@ -250,12 +252,13 @@ def _gemv_w4_kernel(xw_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_p
                     eps, N, KB, kb_per_split, num_splits, stride_wn, stride_sn,
                     X_KIND: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
                     GROUP_SIZE: tl.constexpr, ROWS: tl.constexpr, BLOCK_KB: tl.constexpr, NORM: tl.constexpr,
-                    SILU: tl.constexpr, RESIDUAL: tl.constexpr):
+                    SILU: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr):
     """One row of x against ROWS (1, 2 or 4) rows of w4 weights (KB bytes a row), as _gemv_kernel.
     Tiles are [BLOCK_KB // 16, 16] bytes: a 16-byte chunk lies inside one group (groups are >= 16
     bytes), so it takes one scale and one minimum. x comes as words holding the pair
     (x[2j], x[2j+1]) of byte j, unpacked once per step for all rows; NORM / SILU / RESIDUAL as in
     _gemv_kernel (nw_ptr: the norm weight as words too; SILU: gate words, then KB up words)."""
+    pdl_begin(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     n0 = pid_n * ROWS
@@ -323,11 +326,13 @@ def _matmul_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr
                    k_per_split, stride_xm, stride_wn, stride_sn, stride_om, stride_rm,
                    FORMAT: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
                    GROUP_SIZE: tl.constexpr, ROW_GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, RESIDUAL: tl.constexpr):
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, RESIDUAL: tl.constexpr,
+                   PDL: tl.constexpr):
     """x [M, K] @ W^T with W dequantized per tile to x's dtype; program (output tile, k split).
     For w4 each group is two dots: its low nibbles with x's even columns, high nibbles with odd.
     w8: GROUP_SIZE divides BLOCK_K, or (ROW_GROUP) the row is one group, whose scale and minimum are
     applied to the float32 dot of the raw q once at the end."""
+    pdl_begin(PDL)
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     # grouped tile order: neighbouring programs share weight tiles in L2
@@ -440,9 +445,10 @@ def _matmul_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr
 
 @triton.jit
 def _splitk_reduce_kernel(part_ptr, bias_ptr, res_ptr, out_ptr, MN, N, num_splits,
-                          HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                          HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """out[m, n] = sum over splits of part[s, m, n] (+ bias[n], + res[m, n]: _epilogue), in a fixed
     order (deterministic)."""
+    pdl_begin(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < MN
     acc = tl.zeros([BLOCK], dtype=tl.float32)
@@ -629,7 +635,8 @@ def linear(x: torch.Tensor, w: LinearWeight, config: LinearConfig | None = None,
             _x_words(nw) if norm_weight is not None else out, res, norm_eps, n, kb, per, split, data.stride(0),
             scale.stride(0), X_KIND=_X_KINDS[x.dtype], HAS_BIAS=w.bias is not None, SPLIT=split > 1,
             EVEN_K=kb % block_kb == 0, GROUP_SIZE=w.group_size, ROWS=cfg.block_n, BLOCK_KB=block_kb,
-            RESIDUAL=res2 is not None, **fused, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            RESIDUAL=res2 is not None, **fused, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            **pdl_launch(x.device))
     else:
         block_k = max(cfg.block_k, 32)
         row_group = fmt == 1 and w.group_size == k
@@ -646,7 +653,7 @@ def linear(x: torch.Tensor, w: LinearWeight, config: LinearConfig | None = None,
                 data.stride(0), scale.stride(0) if fmt else 0, FORMAT=fmt, HAS_BIAS=w.bias is not None,
                 SPLIT=split > 1, EVEN_K=even_k, GROUP_SIZE=max(w.group_size, 1), ROWS=cfg.block_n, BLOCK_K=block_k,
                 VEC=16 // data.element_size(), RESIDUAL=res2 is not None, **fused,
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(x.device))
         else:
             tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
             _matmul_kernel[(tiles, split)](
@@ -655,10 +662,10 @@ def linear(x: torch.Tensor, w: LinearWeight, config: LinearConfig | None = None,
                 FORMAT=fmt, HAS_BIAS=w.bias is not None, SPLIT=split > 1, EVEN_K=even_k,
                 GROUP_SIZE=max(w.group_size, 1), ROW_GROUP=row_group, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                 BLOCK_K=block_k, GROUP_M=8, RESIDUAL=res2 is not None,
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(x.device))
             if split > 1:
                 block = 1024
                 _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
                     part, bias, res, out, m * n, n, split, HAS_BIAS=w.bias is not None, RESIDUAL=res2 is not None,
-                    BLOCK=block)
+                    BLOCK=block, **pdl_launch(x.device))
     return out.reshape(*lead, n)

@@ -5,10 +5,13 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_pdl import pdl_begin, pdl_launch
+
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, h_ptr, n_cols, stride_x, stride_r, stride_o, stride_h,
-                     eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+                     eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_begin(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -48,5 +51,5 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     warps = 4 if block <= 2048 else 8 if block <= 8192 else 16
     _rms_norm_kernel[(rows,)](x2, r2, weight, out.view(-1, n_cols), h2, n_cols, x2.stride(0), r2.stride(0),
                               n_cols, h2.stride(0), eps, HAS_RES=residual is not None, BLOCK=block,
-                              num_warps=warps)
+                              num_warps=warps, **pdl_launch(x2.device))
     return out, h

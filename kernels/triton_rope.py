@@ -5,6 +5,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_pdl import pdl_begin, pdl_launch
+
 
 @triton.jit
 def _rotate(ptr, stride_t, stride_h, t, n_heads, cos, sin, j, jm, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
@@ -35,7 +37,8 @@ def _rope_token(q_ptr, k_ptr, pos_ptr, cs_ptr, t, n_q, n_k, stride_qt, stride_qh
 
 @triton.jit
 def _rope_kernel(q_ptr, k_ptr, pos_ptr, cs_ptr, n_q, n_k, stride_qt, stride_qh, stride_kt, stride_kh, stride_cs,
-                 HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+                 HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
+    pdl_begin(PDL)
     t = tl.program_id(0).to(tl.int64)
     _rope_token(q_ptr, k_ptr, pos_ptr, cs_ptr, t, n_q, n_k, stride_qt, stride_qh, stride_kt, stride_kh, stride_cs,
                 HALF, BLOCK_HALF, BLOCK_H)
@@ -60,4 +63,4 @@ def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: tor
     if q.shape[0] == 0:
         return
     args, blocks = rope_launch_args(q, k, cos_sin)
-    _rope_kernel[(q.shape[0],)](q, k, positions, *args, **blocks, num_warps=4)
+    _rope_kernel[(q.shape[0],)](q, k, positions, *args, **blocks, num_warps=4, **pdl_launch(q.device))

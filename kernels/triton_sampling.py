@@ -8,6 +8,7 @@ import triton
 import triton.language as tl
 
 from . import reference
+from .triton_pdl import pdl_begin, pdl_launch
 
 
 @triton.jit
@@ -21,7 +22,8 @@ def _mix32(x):
 
 
 @triton.jit
-def _uniform_kernel(seed_ptr, offset_ptr, out_ptr, vocab, stride_o, BLOCK: tl.constexpr):
+def _uniform_kernel(seed_ptr, offset_ptr, out_ptr, vocab, stride_o, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_begin(PDL)
     row = tl.program_id(0).to(tl.int64)
     idx = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     # int64 -> uint32 keeps the low 32 bits, as the reference's & 0xFFFFFFFF
@@ -41,7 +43,8 @@ def sampling_uniform(seeds: torch.Tensor, offsets: torch.Tensor, vocab: int) -> 
         return out
     block = min(4096, triton.next_power_of_2(vocab))
     _uniform_kernel[(rows, triton.cdiv(vocab, block))](seeds.to(torch.int64), offsets.to(torch.int64), out,
-                                                        vocab, out.stride(0), BLOCK=block, num_warps=4)
+                                                        vocab, out.stride(0), BLOCK=block, num_warps=4,
+                                                        **pdl_launch(out.device))
     return out
 
 

@@ -104,6 +104,14 @@ def test_kernels_are_interpreted() -> None:
     assert isinstance(tlin._gemv_kernel, InterpretedFunction)
 
 
+def test_programmatic_dependent_launch_is_off_in_the_interpreter() -> None:
+    """PDL's griddepcontrol instructions exist on sm_90+ only: interpreted kernels launch without it."""
+    from edged.kernels.triton_pdl import pdl_enabled, pdl_launch
+
+    assert not pdl_enabled(torch.device("cpu"))
+    assert pdl_launch(torch.device("cpu")) == {"PDL": False, "launch_pdl": False}
+
+
 # ---------------------------------------------------------------------------------------------- linear
 
 def _weight(fmt: str, n: int, k: int, dtype: torch.dtype, bias: bool, group: int = 32) -> LinearWeight:
