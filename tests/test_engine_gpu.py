@@ -65,7 +65,7 @@ def engine_on(weights: LlamaWeights, graphs: bool) -> LLMEngine:
     kv = KVCache.allocate(SMALL.num_layers, 256, 16, SMALL.num_kv_heads, SMALL.head_dim, dtype, device)
     runner = ModelRunner(model, kv)
     if graphs:
-        runner.enable_cuda_graphs(8, 1024)
+        runner.enable_cuda_graphs(8, 1024, 256)
     blocks = BlockManager(256, 16)
     return LLMEngine(runner, blocks, Batcher(blocks, BatchLimits(8, 256)), 1024, [], lambda _: None)
 
@@ -80,6 +80,58 @@ def test_gpu_engine_greedy_output_equals_the_cpu_reference_engine_for_64_tokens(
     cpu = run_to_completion(engine_on(as_cpu_float32(weights), False), reqs)
     gpu = run_to_completion(engine_on(weights, True), reqs)
     assert gpu == cpu
+
+
+def test_steps_with_prompt_tokens_replay_graphs_and_give_the_eager_engines_tokens() -> None:
+    """Prefill and mixed steps run from captured graphs (padded to a token bucket, with a padding
+    sequence row): the tokens equal an engine without graphs, with a full batch of 8 sequences."""
+    reqs = [request(f"r{i}", p, max_tokens=32) for i, p in enumerate(PROMPTS * 2)]
+    weights = gpu_weights(torch.bfloat16, "w8")
+    eager = run_to_completion(engine_on(weights, False), reqs)
+    engine = engine_on(weights, True)
+    assert run_to_completion(engine, reqs) == eager
+    assert engine.runner.mixed_graphs.replays > 0
+
+
+def test_a_mixed_step_graph_gives_the_eager_forwards_logits_for_each_sequences_last_token() -> None:
+    """Two prompts and two decodes in one step (27 tokens, bucket 32): the replayed graph's logits for
+    each sequence's last token equal the eager forward's, and the padding rows write no KV."""
+    from edged.engine.cuda_graphs import MixedGraphs
+    from edged.models.batch import AttentionMetadata
+
+    weights = gpu_weights(torch.bfloat16, "w8")
+    model = LlamaModel(SMALL, weights, 1024)
+    kv = KVCache.allocate(SMALL.num_layers, 64, 16, SMALL.num_kv_heads, SMALL.head_dim, torch.bfloat16, "cuda")
+    graphs = MixedGraphs(model, kv, 8, 16, 256)
+    graphs.capture()
+    assert graphs.buckets == (16, 32, 64, 128, 256) and graphs.bucket_for(27, 4) == 32
+    assert graphs.bucket_for(27, 9) is None and graphs.bucket_for(300, 1) is None
+    # sequences: prompt of 12 (blocks 1), prompt of 13 (blocks 2, 3), decodes at 20 and 40 (blocks 4-5, 6-8)
+    lens, before = [12, 13, 1, 1], [0, 0, 19, 39]
+    tables = [[1, 0, 0], [2, 3, 0], [4, 5, 0], [6, 7, 8]]
+    ids, pos, slots, cu = [], [], [], [0]
+    for i, (n, b) in enumerate(zip(lens, before)):
+        ids += [(37 * i + 5 * j) % SMALL.vocab_size for j in range(n)]
+        pos += list(range(b, b + n))
+        slots += [tables[i][p // 16] * 16 + p % 16 for p in range(b, b + n)]
+        cu.append(cu[-1] + n)
+
+    def t(x: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(x, dtype=dtype, device="cuda")
+
+    meta = AttentionMetadata(False, t(slots, torch.int64), t(tables, torch.int32),
+                             t([b + n for n, b in zip(lens, before)], torch.int32), t(cu, torch.int32))
+    with torch.inference_mode():
+        for i in range(SMALL.num_layers):  # keys before the step: something to attend over
+            kv.k[i].normal_()
+            kv.v[i].normal_()
+        untouched = kv.k[0][9:].clone()
+        want = model.logits(model.forward(t(ids, torch.int64), t(pos, torch.int64), meta, kv)[t(cu[1:], torch.int64) - 1])
+        got = graphs.replay(t(ids, torch.int64), t(pos, torch.int64), meta).clone()
+    assert graphs.replays == 1
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    assert (got - want).norm() <= 1e-2 * want.norm()
+    assert torch.equal(kv.k[0][9:], untouched)
 
 
 @pytest.mark.parametrize("quant", ["w8", "w4"])

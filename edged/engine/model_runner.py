@@ -10,7 +10,7 @@ from edged.models.batch import AttentionMetadata, KVCache
 from edged.models.llama import LlamaModel
 from edged.scheduler.batcher import StepPlan
 
-from .cuda_graphs import DecodeGraphs
+from .cuda_graphs import DecodeGraphs, MixedGraphs
 from .sequence import Sequence
 
 
@@ -21,14 +21,20 @@ class ModelRunner:
         self.device = model.device
         self.block_size = kv.block_size
         self.graphs: DecodeGraphs | None = None
+        self.mixed_graphs: MixedGraphs | None = None
 
-    def enable_cuda_graphs(self, max_batch: int, max_model_len: int) -> None:
-        """Capture decode graphs for batches up to max_batch (CUDA only)."""
+    def enable_cuda_graphs(self, max_batch: int, max_model_len: int, max_tokens: int | None = None) -> None:
+        """Capture decode graphs for batches up to max_batch and, given max_tokens (the step token
+        budget), graphs of steps with prompt tokens up to that many (CUDA only)."""
         if self.device.type != "cuda":
             return
         max_blocks = -(-max_model_len // self.block_size)
         self.graphs = DecodeGraphs(self.model, self.kv, max_batch, max_blocks)
         self.graphs.capture()
+        if max_tokens:
+            self.mixed_graphs = MixedGraphs(self.model, self.kv, max_batch, max_blocks, max_tokens,
+                                            pool=self.graphs.pool)
+            self.mixed_graphs.capture()
 
     def _tensor(self, data: list, dtype: torch.dtype) -> torch.Tensor:
         t = torch.tensor(data, dtype=dtype)
@@ -86,10 +92,18 @@ class ModelRunner:
         input_ids, positions, meta, rows = self.prepare(plan, prev)
         sampled = [c.seq for c in plan.chunks if c.completes_prompt]
         index = [c.seq.num_tokens for c in plan.chunks if c.completes_prompt]
-        if not rows:
+        mixed = self.mixed_graphs
+        if not meta.is_decode and mixed is not None and mixed.bucket_for(input_ids.shape[0], len(plan.chunks)):
+            logits = mixed.replay(input_ids, positions, meta)  # each sequence's last token
+            if not rows:
+                return LaunchedStep(plan, [], [], None)
+            if len(rows) < len(plan.chunks):  # keep the sequences whose prompt this step completes
+                logits = logits[self._tensor([i for i, c in enumerate(plan.chunks) if c.completes_prompt],
+                                             torch.int64)]
+        elif not rows:
             self.model.forward(input_ids, positions, meta, self.kv)
             return LaunchedStep(plan, [], [], None)
-        if meta.is_decode and self.graphs is not None and self.graphs.bucket_for(len(rows)) is not None:
+        elif meta.is_decode and self.graphs is not None and self.graphs.bucket_for(len(rows)) is not None:
             logits = self.graphs.replay(input_ids, positions, meta)
         else:
             hidden = self.model.forward(input_ids, positions, meta, self.kv)

@@ -107,7 +107,7 @@ def build_engine(loaded: LoadedModel, settings: EngineSettings) -> AsyncEngine:
     batcher = Batcher(blocks, BatchLimits(settings.max_num_seqs, settings.max_batch_tokens))
     runner = ModelRunner(model, kv)
     if settings.cuda_graphs:
-        runner.enable_cuda_graphs(settings.max_num_seqs, max_model_len)
+        runner.enable_cuda_graphs(settings.max_num_seqs, max_model_len, settings.max_batch_tokens)
     overlap = settings.overlap_steps and device.type == "cuda"
     engine = LLMEngine(runner, blocks, batcher, max_model_len, cfg.eos_token_ids, lambda _: None, overlap)
     log.info("engine built %s", fields(model=loaded.model_id, device=device, dtype=str(dtype).removeprefix("torch."),
