@@ -4,8 +4,9 @@ Paths, by the number of rows M of x:
 - M == 1 (decode of one sequence): a GEMV; each program streams up to 4 weight rows against one x
   tile, optionally split over K (partials in float32, summed in split order by the last split of
   each row block to arrive: deterministic, one launch; kernels/triton_counters.py). This is the
-  memory-bound path that must run at DRAM bandwidth. w8 and w4 weights are dequantized in float32
-  registers (q * scale + minimum of the group). Small GEMVs also take the RMSNorm or the SiLU of
+  memory-bound path that must run at DRAM bandwidth. A w8 / w4 chunk (16 weights of one group) is
+  reduced in float32 as scale * sum(x * q) + minimum * sum(x), q exact as a float: one FMA a weight,
+  one accumulator a chunk (sum(x) once for all rows of the program). Small GEMVs also take the RMSNorm or the SiLU of
   their input in their prologue; every GEMV can add the residual in its epilogue.
 - M > 1, w8 / w4: a tiled tl.dot kernel with dequantization in the loop, split over K while the
   output tiles alone cannot fill the GPU (decode batches). Dense weights from M = 2 on go to cuBLAS.
@@ -99,9 +100,12 @@ def _silu_mul(g, u):
 
 
 @triton.jit
-def _dot_row(acc, row_ptr, s_row_ptr, m_row_ptr, k, grp, xv, km, cm, FORMAT: tl.constexpr, EVEN_K: tl.constexpr):
-    """acc [chunks, VEC] += w * x, w = q * scale + minimum in float32 for w8 (one scale and minimum per
-    chunk: its group's)."""
+def _dot_row(acc, row_ptr, s_row_ptr, m_row_ptr, k, grp, xv, xsum, km, cm, FORMAT: tl.constexpr,
+             EVEN_K: tl.constexpr):
+    """acc [chunks] += the dot of one weight row's chunks with x. A w8 chunk lies in one group, so
+    sum(x * (q * scale + minimum)) is computed as scale * sum(x * q) + minimum * sum(x) (xsum: the
+    chunk sums of x, shared by every row): one FMA a weight instead of two, and one accumulator a
+    chunk instead of one a column, which leaves registers for more loads in flight."""
     if EVEN_K:
         wv = tl.load(row_ptr + k, eviction_policy="evict_first")
     else:
@@ -113,10 +117,9 @@ def _dot_row(acc, row_ptr, s_row_ptr, m_row_ptr, k, grp, xv, km, cm, FORMAT: tl.
         else:
             s = tl.load(s_row_ptr + grp, mask=cm, other=0.0).to(tl.float32)
             mn = tl.load(m_row_ptr + grp, mask=cm, other=0.0).to(tl.float32)
-        wf = small_uint_to_f32(wv.to(tl.int32)) * s[:, None] + mn[:, None]
+        return acc + tl.sum(small_uint_to_f32(wv.to(tl.int32)) * xv, axis=1) * s + xsum * mn
     else:
-        wf = wv.to(tl.float32)
-    return acc + wf * xv
+        return acc + tl.sum(wv.to(tl.float32) * xv, axis=1)
 
 
 @triton.jit
@@ -152,10 +155,10 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr, 
     col = chunk[:, None] + tl.arange(0, VEC)[None, :]
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
-    a0 = tl.zeros([BLOCK_K // VEC, VEC], dtype=tl.float32)
-    a1 = tl.zeros([BLOCK_K // VEC, VEC], dtype=tl.float32)
-    a2 = tl.zeros([BLOCK_K // VEC, VEC], dtype=tl.float32)
-    a3 = tl.zeros([BLOCK_K // VEC, VEC], dtype=tl.float32)
+    a0 = tl.zeros([BLOCK_K // VEC], dtype=tl.float32)
+    a1 = tl.zeros([BLOCK_K // VEC], dtype=tl.float32)
+    a2 = tl.zeros([BLOCK_K // VEC], dtype=tl.float32)
+    a3 = tl.zeros([BLOCK_K // VEC], dtype=tl.float32)
     dt = x_ptr.dtype.element_ty
     if NORM:
         inv = _rms_inv(x_ptr, K, eps, BLOCK_K)
@@ -172,18 +175,23 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr, 
             xv = _round_as(tl.load(nw_ptr + k, mask=km, other=0.0).to(tl.float32) * (xv * inv), dt)
         if SILU:
             xv = _round_as(_silu_mul(xv, tl.load(x_ptr + K + k, mask=km, other=0.0).to(tl.float32)), dt)
-        a0 = _dot_row(a0, r0, scale_ptr + i0 * stride_sn, min_ptr + i0 * stride_sn, k, grp, xv, km, cm,
+        xsum = xv
+        if FORMAT == 1:
+            xsum = tl.sum(xv, axis=1)
+        a0 = _dot_row(a0, r0, scale_ptr + i0 * stride_sn, min_ptr + i0 * stride_sn, k, grp, xv, xsum, km, cm,
                       FORMAT, EVEN_K)
         if ROWS > 1:
-            a1 = _dot_row(a1, r1, scale_ptr + i1 * stride_sn, min_ptr + i1 * stride_sn, k, grp, xv, km, cm,
+            a1 = _dot_row(a1, r1, scale_ptr + i1 * stride_sn, min_ptr + i1 * stride_sn, k, grp, xv, xsum, km,
+                          cm,
                           FORMAT, EVEN_K)
         if ROWS > 2:
-            a2 = _dot_row(a2, r2, scale_ptr + i2 * stride_sn, min_ptr + i2 * stride_sn, k, grp, xv, km, cm,
+            a2 = _dot_row(a2, r2, scale_ptr + i2 * stride_sn, min_ptr + i2 * stride_sn, k, grp, xv, xsum, km,
+                          cm,
                           FORMAT, EVEN_K)
-            a3 = _dot_row(a3, r3, scale_ptr + i3 * stride_sn, min_ptr + i3 * stride_sn, k, grp, xv, km, cm,
+            a3 = _dot_row(a3, r3, scale_ptr + i3 * stride_sn, min_ptr + i3 * stride_sn, k, grp, xv, xsum, km,
+                          cm,
                           FORMAT, EVEN_K)
-    y = _rows_result(tl.sum(tl.sum(a0, axis=1), axis=0), tl.sum(tl.sum(a1, axis=1), axis=0),
-                     tl.sum(tl.sum(a2, axis=1), axis=0), tl.sum(tl.sum(a3, axis=1), axis=0))
+    y = _rows_result(tl.sum(a0, axis=0), tl.sum(a1, axis=0), tl.sum(a2, axis=0), tl.sum(a3, axis=0))
     n = n0 + tl.arange(0, 4)
     _gemv_store(y, tl.where(tl.arange(0, 4) < ROWS, n, N), N, pid_n, pid_k, num_splits, bias_ptr, out_ptr, part_ptr,
                 counters_ptr, res_ptr, HAS_BIAS, SPLIT, RESIDUAL)
@@ -230,7 +238,9 @@ def _rms_inv_words(xw_ptr, KB, eps, X_KIND: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _dot_row_w4(acc, row_ptr, s_row_ptr, m_row_ptr, byte, grp, xe, xo, cm, EVEN_K: tl.constexpr):
+def _dot_row_w4(acc, row_ptr, s_row_ptr, m_row_ptr, byte, grp, xe, xo16, xsum, cm, EVEN_K: tl.constexpr):
+    """acc [chunks] += one w4 row's chunks against x, as _dot_row's w8: scale * sum(x * q) + minimum *
+    sum(x). The high nibble is taken in place as 16 * q (no shift), against xo16 = x[odd] / 16."""
     if EVEN_K:
         b = tl.load(row_ptr + byte, eviction_policy="evict_first")
         s = tl.load(s_row_ptr + grp).to(tl.float32)
@@ -240,11 +250,8 @@ def _dot_row_w4(acc, row_ptr, s_row_ptr, m_row_ptr, byte, grp, xe, xo, cm, EVEN_
         s = tl.load(s_row_ptr + grp, mask=cm, other=0.0).to(tl.float32)
         mn = tl.load(m_row_ptr + grp, mask=cm, other=0.0).to(tl.float32)
     bi = b.to(tl.int32)
-    lo = small_uint_to_f32(bi & 0x0F)
-    hi16 = small_uint_to_f32(bi & 0xF0)  # 16 * high nibble: saves the shift, undone by s / 16
-    s2 = s[:, None]
-    m2 = mn[:, None]
-    return acc + (lo * s2 + m2) * xe + (hi16 * (s2 * 0.0625) + m2) * xo
+    dot = tl.sum(small_uint_to_f32(bi & 0x0F) * xe + small_uint_to_f32(bi & 0xF0) * xo16, axis=1)
+    return acc + dot * s + xsum * mn
 
 
 @triton.jit
@@ -270,10 +277,10 @@ def _gemv_w4_kernel(xw_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_p
     v = tl.arange(0, 16)
     b_lo = pid_k * kb_per_split
     b_hi = tl.minimum(b_lo + kb_per_split, KB)
-    a0 = tl.zeros([BLOCK_KB // 16, 16], dtype=tl.float32)
-    a1 = tl.zeros([BLOCK_KB // 16, 16], dtype=tl.float32)
-    a2 = tl.zeros([BLOCK_KB // 16, 16], dtype=tl.float32)
-    a3 = tl.zeros([BLOCK_KB // 16, 16], dtype=tl.float32)
+    a0 = tl.zeros([BLOCK_KB // 16], dtype=tl.float32)
+    a1 = tl.zeros([BLOCK_KB // 16], dtype=tl.float32)
+    a2 = tl.zeros([BLOCK_KB // 16], dtype=tl.float32)
+    a3 = tl.zeros([BLOCK_KB // 16], dtype=tl.float32)
     if NORM:
         inv = _rms_inv_words(xw_ptr, KB, eps, X_KIND, BLOCK_KB)
     for kb0 in range(b_lo, b_hi, BLOCK_KB):
@@ -294,18 +301,19 @@ def _gemv_w4_kernel(xw_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_p
             ue, uo = _x_pairs(tl.load(xw_ptr + KB + byte, mask=cm[:, None], other=0), X_KIND)
             xe = _round_words(_silu_mul(xe, ue), X_KIND)
             xo = _round_words(_silu_mul(xo, uo), X_KIND)
+        xsum = tl.sum(xe + xo, axis=1)
+        xo16 = xo * 0.0625  # exact: a power of two
         a0 = _dot_row_w4(a0, w_ptr + i0 * stride_wn, scale_ptr + i0 * stride_sn, min_ptr + i0 * stride_sn,
-                         byte, grp, xe, xo, cm, EVEN_K)
+                         byte, grp, xe, xo16, xsum, cm, EVEN_K)
         if ROWS > 1:
             a1 = _dot_row_w4(a1, w_ptr + i1 * stride_wn, scale_ptr + i1 * stride_sn, min_ptr + i1 * stride_sn,
-                             byte, grp, xe, xo, cm, EVEN_K)
+                             byte, grp, xe, xo16, xsum, cm, EVEN_K)
         if ROWS > 2:
             a2 = _dot_row_w4(a2, w_ptr + i2 * stride_wn, scale_ptr + i2 * stride_sn, min_ptr + i2 * stride_sn,
-                             byte, grp, xe, xo, cm, EVEN_K)
+                             byte, grp, xe, xo16, xsum, cm, EVEN_K)
             a3 = _dot_row_w4(a3, w_ptr + i3 * stride_wn, scale_ptr + i3 * stride_sn, min_ptr + i3 * stride_sn,
-                             byte, grp, xe, xo, cm, EVEN_K)
-    y = _rows_result(tl.sum(tl.sum(a0, axis=1), axis=0), tl.sum(tl.sum(a1, axis=1), axis=0),
-                     tl.sum(tl.sum(a2, axis=1), axis=0), tl.sum(tl.sum(a3, axis=1), axis=0))
+                             byte, grp, xe, xo16, xsum, cm, EVEN_K)
+    y = _rows_result(tl.sum(a0, axis=0), tl.sum(a1, axis=0), tl.sum(a2, axis=0), tl.sum(a3, axis=0))
     n = n0 + tl.arange(0, 4)
     _gemv_store(y, tl.where(tl.arange(0, 4) < ROWS, n, N), N, pid_n, pid_k, num_splits, bias_ptr, out_ptr, part_ptr,
                 counters_ptr, res_ptr, HAS_BIAS, SPLIT, RESIDUAL)
@@ -513,15 +521,19 @@ def choose_config(m: int, n: int, k: int, fmt: str, device: torch.device) -> Lin
         split = _pick_split(-(-m // block_m) * -(-n // 32), -(-k // 64), 2 * sms, 2)
         return LinearConfig("matmul", block_m, 32, 64, split, num_warps=4, num_stages=1)
     if m == 1:
-        # 4 weight rows a program, 1024 (w4, w8: 2048) columns a step: the H200 sweep's best for the old
-        # per-row w8 and dense at 4096x14336 and 14336x4096; grouped w8 takes 2048 so that a thread owns
-        # 16 columns (one 16-byte load, one scale and minimum per 16 weights instead of per 8). The
-        # 2026-12-01 sweep over the SmolLM2 / 1B / 8B decode shapes: rows shorter than a step waste
-        # lanes (SmolLM2's K = 576: 1024 columns a step, 15-20% faster), and w4 with long rows (K >=
-        # 4096) but few of them (N <= 8192) wants twice the programs, 2 rows each (8B down 28.2 -> 22.8
-        # us, 8B o 10.1 -> 8.8). Split K only while the rows alone leave SMs idle.
-        block_k = 2048 if fmt in ("w4", "w8") and k > 1024 else 1024
-        rows = 2 if fmt == "w4" and k >= 4096 and n <= 8192 else 4
+        # From the H200 sweeps over the SmolLM2 / 1B / 8B decode shapes (`edged bench kernels --sweep`;
+        # the last one after the GEMV moved to one accumulator a chunk, 2026-12-02): 4 weight rows a
+        # program (quantized: 2 in layers of at most 2048 x 2048, more programs for them), 1024 columns
+        # a step where rows are short (K <= 1024, else lanes idle), 2048 up to K = 4096, and whole
+        # 4096-column rows for w4 and for w8 layers of at most 8192 rows (8B w4 gate_up 39.3 -> 35.7
+        # us, w8 o 8.2 -> 7.2; the w8 lm_head measured 4% slower so). Split K only while the rows
+        # alone leave SMs idle.
+        quantized = fmt in ("w4", "w8")
+        if quantized and k >= 4096 and (fmt == "w4" or n <= 8192):
+            block_k = 4096
+        else:
+            block_k = 2048 if quantized and k > 1024 else 1024
+        rows = 2 if quantized and n <= 2048 and k <= 2048 else 4
         split = _pick_split(-(-n // rows), -(-k // block_k), 2 * sms, 2)
         return LinearConfig("gemv", 1, rows, block_k, split, num_warps=4, num_stages=1)
     if fmt == "dense":
