@@ -6,8 +6,10 @@ Paths, by the number of rows M of x:
   each row block to arrive: deterministic, one launch; kernels/triton_counters.py). This is the
   memory-bound path that must run at DRAM bandwidth. A w8 / w4 chunk (16 weights of one group) is
   reduced in float32 as scale * sum(x * q) + minimum * sum(x), q exact as a float: one FMA a weight,
-  one accumulator a chunk (sum(x) once for all rows of the program). Small GEMVs also take the RMSNorm or the SiLU of
-  their input in their prologue; every GEMV can add the residual in its epilogue.
+  one accumulator a chunk (sum(x) once for all rows of the program); on sm_80+ the bytes become
+  floats through inline PTX (kernels/triton_convert.py: same floats, fewer instructions). Small
+  GEMVs also take the RMSNorm or the SiLU of their input in their prologue; every GEMV can add the
+  residual in its epilogue.
 - M > 1, w8 / w4: a tiled tl.dot kernel with dequantization in the loop, split over K while the
   output tiles alone cannot fill the GPU (decode batches). Dense weights from M = 2 on go to cuBLAS.
   Both dequantize their weight tile in float32 (q * scale + minimum per group) and round it to the
@@ -27,7 +29,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .triton_convert import small_uint_to_f32
+from .triton_convert import asm_conversions, nibbles_to_f32_asm, small_uint_to_f32, u8_to_f32_asm
 from .triton_activation import silu_and_mul
 from .triton_counters import arrive, check_groups, split_counters
 from .triton_norm import rms_norm
@@ -100,12 +102,28 @@ def _silu_mul(g, u):
 
 
 @triton.jit
-def _dot_row(acc, row_ptr, s_row_ptr, m_row_ptr, k, grp, xv, xsum, km, cm, FORMAT: tl.constexpr,
-             EVEN_K: tl.constexpr):
-    """acc [chunks] += the dot of one weight row's chunks with x. A w8 chunk lies in one group, so
-    sum(x * (q * scale + minimum)) is computed as scale * sum(x * q) + minimum * sum(x) (xsum: the
-    chunk sums of x, shared by every row): one FMA a weight instead of two, and one accumulator a
-    chunk instead of one a column, which leaves registers for more loads in flight."""
+def _quarters(v, C: tl.constexpr, V: tl.constexpr):
+    """A [C, V] tile as four [C, V // 4] tiles of the same thread's registers (a free reshape)."""
+    a, b = tl.split(tl.reshape(v, (C, V // 4, 2, 2)))
+    v0, v1 = tl.split(a)
+    v2, v3 = tl.split(b)
+    return v0, v1, v2, v3
+
+
+@triton.jit
+def _chunk_dot(q0, q1, q2, q3, x0, x1, x2, x3):
+    """sum over each chunk of q * x: a multiply and three FMAs for every four weights, then a sum of
+    four (tl.sum of the products would be an add tree: a multiply and an add for every weight)."""
+    return tl.sum(q0 * x0 + q1 * x1 + q2 * x2 + q3 * x3, axis=1)
+
+
+@triton.jit
+def _dot_row(acc, row_ptr, s_row_ptr, m_row_ptr, k, grp, x0, x1, x2, x3, xsum, km, cm, FORMAT: tl.constexpr,
+             EVEN_K: tl.constexpr, C: tl.constexpr, VEC: tl.constexpr, ASM: tl.constexpr):
+    """acc [chunks] += the dot of one weight row's chunks with x (x0..x3: its quarters). A w8 chunk lies
+    in one group, so sum(x * (q * scale + minimum)) is computed as scale * sum(x * q) + minimum * sum(x)
+    (xsum: the chunk sums of x, shared by every row): one FMA a weight instead of two, and one
+    accumulator a chunk instead of one a column, which leaves registers for more loads in flight."""
     if EVEN_K:
         wv = tl.load(row_ptr + k, eviction_policy="evict_first")
     else:
@@ -117,9 +135,15 @@ def _dot_row(acc, row_ptr, s_row_ptr, m_row_ptr, k, grp, xv, xsum, km, cm, FORMA
         else:
             s = tl.load(s_row_ptr + grp, mask=cm, other=0.0).to(tl.float32)
             mn = tl.load(m_row_ptr + grp, mask=cm, other=0.0).to(tl.float32)
-        return acc + tl.sum(small_uint_to_f32(wv.to(tl.int32)) * xv, axis=1) * s + xsum * mn
+        if ASM:
+            q = u8_to_f32_asm(wv)
+        else:
+            q = small_uint_to_f32(wv.to(tl.int32))
+        q0, q1, q2, q3 = _quarters(q, C, VEC)
+        return acc + _chunk_dot(q0, q1, q2, q3, x0, x1, x2, x3) * s + xsum * mn
     else:
-        return acc + tl.sum(wv.to(tl.float32) * xv, axis=1)
+        w0, w1, w2, w3 = _quarters(wv.to(tl.float32), C, VEC)
+        return acc + _chunk_dot(w0, w1, w2, w3, x0, x1, x2, x3)
 
 
 @triton.jit
@@ -127,7 +151,7 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr, 
                  N, K, k_per_split, num_splits, stride_wn, stride_sn, FORMAT: tl.constexpr, HAS_BIAS: tl.constexpr,
                  SPLIT: tl.constexpr, EVEN_K: tl.constexpr, GROUP_SIZE: tl.constexpr, ROWS: tl.constexpr,
                  BLOCK_K: tl.constexpr, VEC: tl.constexpr, NORM: tl.constexpr, SILU: tl.constexpr,
-                 RESIDUAL: tl.constexpr, PDL: tl.constexpr):
+                 RESIDUAL: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr):
     """One row of x against ROWS (1, 2 or 4) rows of dense or w8 weights; program (row block, k split).
     Each step loads one [BLOCK_K // VEC, VEC] tile of x (a thread owns VEC consecutive columns, one
     16-byte weight load) and uses it for every weight row: x is read and converted once per ROWS
@@ -175,22 +199,18 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr, 
             xv = _round_as(tl.load(nw_ptr + k, mask=km, other=0.0).to(tl.float32) * (xv * inv), dt)
         if SILU:
             xv = _round_as(_silu_mul(xv, tl.load(x_ptr + K + k, mask=km, other=0.0).to(tl.float32)), dt)
-        xsum = xv
-        if FORMAT == 1:
-            xsum = tl.sum(xv, axis=1)
-        a0 = _dot_row(a0, r0, scale_ptr + i0 * stride_sn, min_ptr + i0 * stride_sn, k, grp, xv, xsum, km, cm,
-                      FORMAT, EVEN_K)
+        xsum = tl.sum(xv, axis=1)
+        x0, x1, x2, x3 = _quarters(xv, BLOCK_K // VEC, VEC)
+        a0 = _dot_row(a0, r0, scale_ptr + i0 * stride_sn, min_ptr + i0 * stride_sn, k, grp, x0, x1, x2, x3,
+                      xsum, km, cm, FORMAT, EVEN_K, BLOCK_K // VEC, VEC, ASM)
         if ROWS > 1:
-            a1 = _dot_row(a1, r1, scale_ptr + i1 * stride_sn, min_ptr + i1 * stride_sn, k, grp, xv, xsum, km,
-                          cm,
-                          FORMAT, EVEN_K)
+            a1 = _dot_row(a1, r1, scale_ptr + i1 * stride_sn, min_ptr + i1 * stride_sn, k, grp, x0, x1, x2, x3,
+                          xsum, km, cm, FORMAT, EVEN_K, BLOCK_K // VEC, VEC, ASM)
         if ROWS > 2:
-            a2 = _dot_row(a2, r2, scale_ptr + i2 * stride_sn, min_ptr + i2 * stride_sn, k, grp, xv, xsum, km,
-                          cm,
-                          FORMAT, EVEN_K)
-            a3 = _dot_row(a3, r3, scale_ptr + i3 * stride_sn, min_ptr + i3 * stride_sn, k, grp, xv, xsum, km,
-                          cm,
-                          FORMAT, EVEN_K)
+            a2 = _dot_row(a2, r2, scale_ptr + i2 * stride_sn, min_ptr + i2 * stride_sn, k, grp, x0, x1, x2, x3,
+                          xsum, km, cm, FORMAT, EVEN_K, BLOCK_K // VEC, VEC, ASM)
+            a3 = _dot_row(a3, r3, scale_ptr + i3 * stride_sn, min_ptr + i3 * stride_sn, k, grp, x0, x1, x2, x3,
+                          xsum, km, cm, FORMAT, EVEN_K, BLOCK_K // VEC, VEC, ASM)
     y = _rows_result(tl.sum(a0, axis=0), tl.sum(a1, axis=0), tl.sum(a2, axis=0), tl.sum(a3, axis=0))
     n = n0 + tl.arange(0, 4)
     _gemv_store(y, tl.where(tl.arange(0, 4) < ROWS, n, N), N, pid_n, pid_k, num_splits, bias_ptr, out_ptr, part_ptr,
@@ -238,9 +258,11 @@ def _rms_inv_words(xw_ptr, KB, eps, X_KIND: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _dot_row_w4(acc, row_ptr, s_row_ptr, m_row_ptr, byte, grp, xe, xo16, xsum, cm, EVEN_K: tl.constexpr):
+def _dot_row_w4(acc, row_ptr, s_row_ptr, m_row_ptr, byte, grp, e0, e1, e2, e3, o0, o1, o2, o3, xsum, cm,
+                EVEN_K: tl.constexpr, C: tl.constexpr, ASM: tl.constexpr):
     """acc [chunks] += one w4 row's chunks against x, as _dot_row's w8: scale * sum(x * q) + minimum *
-    sum(x). The high nibble is taken in place as 16 * q (no shift), against xo16 = x[odd] / 16."""
+    sum(x). The high nibble is taken in place as 16 * q (no shift), against o = x[odd] / 16; e0..e3
+    and o0..o3 are the quarters of x[even] and of x[odd] / 16."""
     if EVEN_K:
         b = tl.load(row_ptr + byte, eviction_policy="evict_first")
         s = tl.load(s_row_ptr + grp).to(tl.float32)
@@ -249,8 +271,15 @@ def _dot_row_w4(acc, row_ptr, s_row_ptr, m_row_ptr, byte, grp, xe, xo16, xsum, c
         b = tl.load(row_ptr + byte, mask=cm[:, None], other=0, eviction_policy="evict_first")
         s = tl.load(s_row_ptr + grp, mask=cm, other=0.0).to(tl.float32)
         mn = tl.load(m_row_ptr + grp, mask=cm, other=0.0).to(tl.float32)
-    bi = b.to(tl.int32)
-    dot = tl.sum(small_uint_to_f32(bi & 0x0F) * xe + small_uint_to_f32(bi & 0xF0) * xo16, axis=1)
+    if ASM:
+        lo, hi16 = nibbles_to_f32_asm(b)
+    else:
+        bi = b.to(tl.int32)
+        lo = small_uint_to_f32(bi & 0x0F)
+        hi16 = small_uint_to_f32(bi & 0xF0)
+    l0, l1, l2, l3 = _quarters(lo, C, 16)
+    h0, h1, h2, h3 = _quarters(hi16, C, 16)
+    dot = tl.sum(l0 * e0 + h0 * o0 + l1 * e1 + h1 * o1 + l2 * e2 + h2 * o2 + l3 * e3 + h3 * o3, axis=1)
     return acc + dot * s + xsum * mn
 
 
@@ -259,7 +288,7 @@ def _gemv_w4_kernel(xw_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_p
                     eps, N, KB, kb_per_split, num_splits, stride_wn, stride_sn,
                     X_KIND: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
                     GROUP_SIZE: tl.constexpr, ROWS: tl.constexpr, BLOCK_KB: tl.constexpr, NORM: tl.constexpr,
-                    SILU: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr):
+                    SILU: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr):
     """One row of x against ROWS (1, 2 or 4) rows of w4 weights (KB bytes a row), as _gemv_kernel.
     Tiles are [BLOCK_KB // 16, 16] bytes: a 16-byte chunk lies inside one group (groups are >= 16
     bytes), so it takes one scale and one minimum. x comes as words holding the pair
@@ -302,17 +331,22 @@ def _gemv_w4_kernel(xw_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_p
             xe = _round_words(_silu_mul(xe, ue), X_KIND)
             xo = _round_words(_silu_mul(xo, uo), X_KIND)
         xsum = tl.sum(xe + xo, axis=1)
-        xo16 = xo * 0.0625  # exact: a power of two
+        e0, e1, e2, e3 = _quarters(xe, BLOCK_KB // 16, 16)
+        o0, o1, o2, o3 = _quarters(xo * 0.0625, BLOCK_KB // 16, 16)  # exact: a power of two
         a0 = _dot_row_w4(a0, w_ptr + i0 * stride_wn, scale_ptr + i0 * stride_sn, min_ptr + i0 * stride_sn,
-                         byte, grp, xe, xo16, xsum, cm, EVEN_K)
+                         byte, grp, e0, e1, e2, e3, o0, o1, o2, o3, xsum,
+                         cm, EVEN_K, BLOCK_KB // 16, ASM)
         if ROWS > 1:
             a1 = _dot_row_w4(a1, w_ptr + i1 * stride_wn, scale_ptr + i1 * stride_sn, min_ptr + i1 * stride_sn,
-                             byte, grp, xe, xo16, xsum, cm, EVEN_K)
+                             byte, grp, e0, e1, e2, e3, o0, o1, o2, o3, xsum,
+                         cm, EVEN_K, BLOCK_KB // 16, ASM)
         if ROWS > 2:
             a2 = _dot_row_w4(a2, w_ptr + i2 * stride_wn, scale_ptr + i2 * stride_sn, min_ptr + i2 * stride_sn,
-                             byte, grp, xe, xo16, xsum, cm, EVEN_K)
+                             byte, grp, e0, e1, e2, e3, o0, o1, o2, o3, xsum,
+                         cm, EVEN_K, BLOCK_KB // 16, ASM)
             a3 = _dot_row_w4(a3, w_ptr + i3 * stride_wn, scale_ptr + i3 * stride_sn, min_ptr + i3 * stride_sn,
-                             byte, grp, xe, xo16, xsum, cm, EVEN_K)
+                             byte, grp, e0, e1, e2, e3, o0, o1, o2, o3, xsum,
+                         cm, EVEN_K, BLOCK_KB // 16, ASM)
     y = _rows_result(tl.sum(a0, axis=0), tl.sum(a1, axis=0), tl.sum(a2, axis=0), tl.sum(a3, axis=0))
     n = n0 + tl.arange(0, 4)
     _gemv_store(y, tl.where(tl.arange(0, 4) < ROWS, n, N), N, pid_n, pid_k, num_splits, bias_ptr, out_ptr, part_ptr,
@@ -647,8 +681,8 @@ def linear(x: torch.Tensor, w: LinearWeight, config: LinearConfig | None = None,
             _x_words(nw) if norm_weight is not None else out, res, norm_eps, n, kb, per, split, data.stride(0),
             scale.stride(0), X_KIND=_X_KINDS[x.dtype], HAS_BIAS=w.bias is not None, SPLIT=split > 1,
             EVEN_K=kb % block_kb == 0, GROUP_SIZE=w.group_size, ROWS=cfg.block_n, BLOCK_KB=block_kb,
-            RESIDUAL=res2 is not None, **fused, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-            **pdl_launch(x.device))
+            RESIDUAL=res2 is not None, **fused, ASM=asm_conversions(x.device), num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages, **pdl_launch(x.device))
     else:
         block_k = max(cfg.block_k, 32)
         row_group = fmt == 1 and w.group_size == k
@@ -664,7 +698,7 @@ def linear(x: torch.Tensor, w: LinearWeight, config: LinearConfig | None = None,
                 x2, data, scale, minimum, bias, out, part, _gemv_counters(x.device, rows, split, out), nw, res, norm_eps, n, k, per, split,
                 data.stride(0), scale.stride(0) if fmt else 0, FORMAT=fmt, HAS_BIAS=w.bias is not None,
                 SPLIT=split > 1, EVEN_K=even_k, GROUP_SIZE=max(w.group_size, 1), ROWS=cfg.block_n, BLOCK_K=block_k,
-                VEC=16 // data.element_size(), RESIDUAL=res2 is not None, **fused,
+                VEC=16 // data.element_size(), RESIDUAL=res2 is not None, **fused, ASM=asm_conversions(x.device),
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(x.device))
         else:
             tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)

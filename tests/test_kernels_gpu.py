@@ -92,6 +92,31 @@ def test_linear_gemv_variants(fmt: str) -> None:
             assert rel_err(tlin.linear(x, w, cfg), want) < REL[torch.bfloat16], (rows, block_k, split)
 
 
+@pytest.mark.parametrize("fmt", ["w8", "w4"])
+def test_gemv_inline_ptx_conversions_give_the_portable_kernels_result_bit_for_bit(fmt: str, monkeypatch) -> None:
+    """The prmt conversions of sm_80+ (triton_convert's *_asm) and the portable ones the interpreter
+    runs produce the same floats, so the decode GEMV's result is identical, fused forms included."""
+    assert tlin.asm_conversions(torch.device(DEV))
+    cases = [(576, 1536, {}), (4096, 4096, {"residual": True}), (960, 576, {"norm": True}),
+             (576, 1536, {"silu": True}), (4099, 14336, {})]
+    outs = {}
+    for asm in (True, False):
+        monkeypatch.setattr(tlin, "asm_conversions", lambda device, asm=asm: asm)
+        outs[asm] = []
+        for n, k, form in cases:
+            w = make_weight(fmt, n, k, torch.bfloat16, bias=False, group=32, seed=n + k)
+            gen = torch.Generator(device=DEV).manual_seed(k)
+            x = torch.randn(1, 2 * k if form.get("silu") else k, device=DEV, generator=gen).bfloat16()
+            kw = {}
+            if form.get("residual"):
+                kw["residual"] = torch.randn(1, n, device=DEV, generator=gen).bfloat16()
+            if form.get("norm"):
+                kw.update(norm_weight=torch.rand(k, device=DEV, generator=gen).bfloat16() + 0.5, norm_eps=1e-5)
+            outs[asm].append(tlin.linear(x, w, silu_mul=bool(form.get("silu")), fuse_input=True, **kw))
+    for (n, k, form), fast, portable in zip(cases, outs[True], outs[False]):
+        assert torch.equal(fast, portable), (n, k, form)
+
+
 def test_linear_odd_shapes() -> None:
     # N not a multiple of any block, K not a multiple of the K step (SmolLM2's 576 / 1536)
     for fmt in ("dense", "w8", "w4"):

@@ -112,6 +112,13 @@ def test_programmatic_dependent_launch_is_off_in_the_interpreter() -> None:
     assert pdl_launch(torch.device("cpu")) == {"PDL": False, "launch_pdl": False}
 
 
+def test_inline_ptx_conversions_are_off_in_the_interpreter() -> None:
+    """The prmt conversions are PTX: interpreted GEMVs take the portable ones (same floats)."""
+    from edged.kernels.triton_convert import asm_conversions
+
+    assert not asm_conversions(torch.device("cpu"))
+
+
 # ---------------------------------------------------------------------------------------------- linear
 
 def _weight(fmt: str, n: int, k: int, dtype: torch.dtype, bias: bool, group: int = 32) -> LinearWeight:
