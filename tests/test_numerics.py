@@ -194,8 +194,26 @@ def _divergence(hf, prompt: list[int], tokens: list[int]) -> tuple[int, float]:
 
 # Below this float32 margin a choice is a tie to bf16 (8 bits of mantissa at logits ~ 26 are 0.125 apart):
 # "Write a short poem about the sea." starts with 'The' 26.295 vs 'In' 26.283 in float32, and
-# transformers bf16 takes 'The' only because the two tie exactly and the lower id wins.
-TIE = 0.05
+# transformers bf16 takes 'The' only because the two tie exactly and the lower id wins. What counts as
+# a tie for bfloat16 activations is measured, not fixed: the largest float32 margin at which
+# transformers' own bf16 picks another top-1 over the accuracy text on this machine (0.116 on an
+# AVX-512 box, 23 flips in 555 positions; its bf16 logits sit a median 0.078 from float32's). A fixed
+# 0.05 failed there: edged's default CPU kernels in bf16 answer the France prompt with 'L' (25.243)
+# instead of 'The' (25.325), a margin bf16 cannot resolve, while the reference kernels' rounding keeps 'The'.
+TIE_FLOOR = 0.05
+
+
+@pytest.fixture(scope="module")
+def bf16_tie(real_model: LoadedModel, hf_models) -> float:
+    """The largest float32 margin at which transformers bf16 parts from float32's top-1 over the
+    accuracy text (teacher-forced), at least TIE_FLOOR."""
+    ids = torch.tensor([text_ids(real_model)])
+    with torch.inference_mode():
+        f32 = hf_models[torch.float32](ids).logits[0].float()
+        b16 = hf_models[torch.bfloat16](ids).logits[0].float()
+    top, theirs = f32.argmax(-1), b16.argmax(-1)
+    margins = (f32.gather(1, top[:, None]) - f32.gather(1, theirs[:, None])).flatten()[top != theirs]
+    return max([TIE_FLOOR, *margins.tolist()])
 
 
 @pytest.fixture(scope="module")
@@ -214,22 +232,26 @@ def hf_bf16_greedy(real_model: LoadedModel, chat_ids, hf_models) -> list[tuple[l
 # through the kernels this machine dispatches to
 @pytest.mark.parametrize("kernels_path,quant", [("reference", "none"), ("default", "none")])
 def test_bf16_greedy_answers_like_transformers_bf16(real_model: LoadedModel, chat_ids, hf_models, hf_bf16_greedy,
-                                                   kernels_path: str, quant: str) -> None:
+                                                   bf16_tie: float, kernels_path: str, quant: str) -> None:
     """Equal text to transformers bf16, or, where transformers' own bf16 drifts from its fp32, no earlier
-    divergence from fp32 than transformers bf16 has, unless edged parts from fp32 at a float32 tie."""
+    divergence from fp32 than transformers bf16 has, unless edged parts from fp32 at a bf16 tie (a
+    float32 margin at which transformers bf16 itself flips tokens); and the capital of France is Paris
+    unless the answer parts from float32's at such a tie."""
     if kernels_path == "reference":
         with reference_kernels():
             ours = _edged_greedy(real_model, "bfloat16", quant, chat_ids, GREEDY_TOKENS)
     else:
         ours = _edged_greedy(real_model, "bfloat16", quant, chat_ids, GREEDY_TOKENS)
     text = real_model.tokenizer.decode
-    assert "The capital of France is Paris." in text(ours[0])
+    if "The capital of France is Paris." not in text(ours[0]):
+        at, margin = _divergence(hf_models[torch.float32], chat_ids[0], ours[0])
+        assert margin < bf16_tie, (text(ours[0]), at, margin, bf16_tie)
     for prompt, mine, (theirs, theirs_from_fp32) in zip(chat_ids, ours, hf_bf16_greedy):
         if mine == theirs:
             continue
         mine_from_fp32, margin = _divergence(hf_models[torch.float32], prompt, mine)
-        assert mine_from_fp32 >= theirs_from_fp32 or margin < TIE, (
-            text(mine), text(theirs), mine_from_fp32, theirs_from_fp32, margin)
+        assert mine_from_fp32 >= theirs_from_fp32 or margin < bf16_tie, (
+            text(mine), text(theirs), mine_from_fp32, theirs_from_fp32, margin, bf16_tie)
 
 
 # Floors on the fraction of > 500 teacher-forced positions whose top-1 equals float32's. bf16's floor is

@@ -124,7 +124,8 @@ def test_streams_on_both_workers_complete_with_the_same_text_as_with_one_worker(
     results = asyncio.run(asyncio.wait_for(many(), 120))
     # the first connection ID picks the worker: each prompt is served by both workers
     assert [w for w, _, _ in results] == [f"w{i % 2}" for i in range(12)]
-    assert all(done for _, _, done in results)
+    unfinished = [(i, text) for i, (_, text, done) in enumerate(results) if not done]
+    assert not unfinished, (unfinished, two_workers.lines[-40:])
     by_prompt = {p: {text for i, (_, text, _) in enumerate(results) if PROMPTS[i % 3] == p} for p in PROMPTS}
     assert all(len(texts) == 1 for texts in by_prompt.values()), by_prompt
 
