@@ -334,19 +334,15 @@ def _gemv_w4_kernel(xw_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_p
         e0, e1, e2, e3 = _quarters(xe, BLOCK_KB // 16, 16)
         o0, o1, o2, o3 = _quarters(xo * 0.0625, BLOCK_KB // 16, 16)  # exact: a power of two
         a0 = _dot_row_w4(a0, w_ptr + i0 * stride_wn, scale_ptr + i0 * stride_sn, min_ptr + i0 * stride_sn,
-                         byte, grp, e0, e1, e2, e3, o0, o1, o2, o3, xsum,
-                         cm, EVEN_K, BLOCK_KB // 16, ASM)
+                         byte, grp, e0, e1, e2, e3, o0, o1, o2, o3, xsum, cm, EVEN_K, BLOCK_KB // 16, ASM)
         if ROWS > 1:
             a1 = _dot_row_w4(a1, w_ptr + i1 * stride_wn, scale_ptr + i1 * stride_sn, min_ptr + i1 * stride_sn,
-                             byte, grp, e0, e1, e2, e3, o0, o1, o2, o3, xsum,
-                         cm, EVEN_K, BLOCK_KB // 16, ASM)
+                             byte, grp, e0, e1, e2, e3, o0, o1, o2, o3, xsum, cm, EVEN_K, BLOCK_KB // 16, ASM)
         if ROWS > 2:
             a2 = _dot_row_w4(a2, w_ptr + i2 * stride_wn, scale_ptr + i2 * stride_sn, min_ptr + i2 * stride_sn,
-                             byte, grp, e0, e1, e2, e3, o0, o1, o2, o3, xsum,
-                         cm, EVEN_K, BLOCK_KB // 16, ASM)
+                             byte, grp, e0, e1, e2, e3, o0, o1, o2, o3, xsum, cm, EVEN_K, BLOCK_KB // 16, ASM)
             a3 = _dot_row_w4(a3, w_ptr + i3 * stride_wn, scale_ptr + i3 * stride_sn, min_ptr + i3 * stride_sn,
-                             byte, grp, e0, e1, e2, e3, o0, o1, o2, o3, xsum,
-                         cm, EVEN_K, BLOCK_KB // 16, ASM)
+                             byte, grp, e0, e1, e2, e3, o0, o1, o2, o3, xsum, cm, EVEN_K, BLOCK_KB // 16, ASM)
     y = _rows_result(tl.sum(a0, axis=0), tl.sum(a1, axis=0), tl.sum(a2, axis=0), tl.sum(a3, axis=0))
     n = n0 + tl.arange(0, 4)
     _gemv_store(y, tl.where(tl.arange(0, 4) < ROWS, n, N), N, pid_n, pid_k, num_splits, bias_ptr, out_ptr, part_ptr,
