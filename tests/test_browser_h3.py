@@ -106,6 +106,16 @@ def load_page(d: DaemonProcess, rec: PageRecorder, reload: bool = False) -> None
     sync_api.expect(page.locator("#model option")).to_have_count(1, timeout=PAGE_READY_TIMEOUT_MS)
 
 
+def last_completion_log(d: DaemonProcess) -> str:
+    return [ln for ln in d.lines if "request done" in ln and "/v1/chat/completions" in ln][-1]
+
+
+def delta_spread_ms(d: DaemonProcess) -> float:
+    """From the last chat answer's first delta to its end, as the daemon logged them."""
+    fields = dict(kv.split("=", 1) for kv in last_completion_log(d).split() if "=" in kv)
+    return float(fields["duration_ms"]) - float(fields["ttft_ms"])
+
+
 def ask(rec: PageRecorder, question: str) -> Answer:
     """Type the question, press Send, wait until the page shows the answer's finish."""
     page = rec.page
@@ -133,7 +143,11 @@ def test_the_first_visit_is_over_tcp_advertises_h3_and_the_page_answers_paris(da
 
     answer = ask(rec, QUESTION)
     assert "Paris" in answer.text
-    assert "TTFT" in answer.meta and "tokens/s" in answer.meta and "finish: stop" in answer.meta
+    assert "TTFT" in answer.meta and "finish: stop" in answer.meta
+    # A rate needs two arrivals: the page shows one whenever the daemon spread the deltas out (on a loaded
+    # 2-core box a starved worker once sent all 8 at the moment of the first: ttft_ms == duration_ms)
+    if delta_spread_ms(daemon) >= 5:
+        assert "tokens/s" in answer.meta, (answer.meta, last_completion_log(daemon))
     assert_clean(rec)
 
 
