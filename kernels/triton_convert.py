@@ -11,21 +11,17 @@ same floats, bit for bit.
 """
 from __future__ import annotations
 
-import os
-from functools import cache
-
 import torch
 import triton
 import triton.language as tl
 
+from .triton_device import compiled_sm_major
 
-@cache
+
 def asm_conversions(device: torch.device) -> bool:
     """May this device's kernels use the inline-PTX conversions (a CUDA device of sm_80+, not the
     interpreter)?"""
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
-        return False
-    return torch.cuda.get_device_capability(device)[0] >= 8
+    return compiled_sm_major(device) >= 8
 
 
 @triton.jit

@@ -20,13 +20,13 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_device import compiled_sm_major
+
 
 @cache
 def pdl_enabled(device: torch.device) -> bool:
     """Launch this device's step kernels with PDL?"""
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("EDGED_PDL") == "0":
-        return False
-    return torch.cuda.get_device_capability(device)[0] >= 9
+    return os.environ.get("EDGED_PDL") != "0" and compiled_sm_major(device) >= 9
 
 
 def pdl_launch(device: torch.device) -> dict[str, bool]:
