@@ -274,7 +274,6 @@ def test_a_killed_worker_loses_only_its_streams_is_restarted_and_drains_on_sigte
         d.stop()
 
 
-
 def test_a_dead_engine_core_ends_the_daemon_non_zero_and_leaves_no_worker(tmp_path: Path, tiny_hf_dir) -> None:
     d = start_daemon(tmp_path, f"server:\n  workers: 2\nmodel:\n  path: {tiny_hf_dir('llama')}\n")
     try:
@@ -285,5 +284,22 @@ def test_a_dead_engine_core_ends_the_daemon_non_zero_and_leaves_no_worker(tmp_pa
         assert "engine core exited, stopping the daemon" in d.log_text()
         for pid in workers:
             assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
+    finally:
+        d.stop()
+
+
+def test_every_worker_answers_healthz_and_readyz_200_from_the_moment_the_daemon_is_ready(
+        tmp_path: Path, tiny_hf_dir) -> None:
+    """A worker reports "ready" only once the core's health has reached it: a probe of each worker
+    right after the daemon's ready line must not get 503 "unhealthy" (CI saw it once, in 2 workers)."""
+    d = start_daemon(tmp_path, f"server:\n  workers: 2\nmodel:\n  path: {tiny_hf_dir('llama')}\n")
+    try:
+        async def probe_each() -> list[tuple[int, str, str]]:
+            return await asyncio.gather(*(get_on_new_connection(d, path, {}, worker_index=i)
+                                          for i in (0, 1) for path in ("/healthz", "/readyz")))
+
+        seen = asyncio.run(asyncio.wait_for(probe_each(), 30))
+        assert [(status, worker) for status, worker, _ in seen] == \
+            [(200, "w0"), (200, "w0"), (200, "w1"), (200, "w1")], seen
     finally:
         d.stop()

@@ -8,7 +8,8 @@ result-cache lookups (the SQLite file is shared in WAL mode), detokenization, st
 SSE/JSON/msgpack framing. The engine is the core process, reached through `RemoteEngineClient`.
 
 The control pipe from the supervisor brings config reloads and "drain"; the worker answers
-"ready" once it serves and a heartbeat twice a second while its event loop runs.
+"ready" once it serves and the core's first health report has reached it, and a heartbeat twice a
+second while its event loop runs.
 """
 from __future__ import annotations
 
@@ -101,6 +102,15 @@ class Worker:
         return stats_at is not None and time.monotonic() - stats_at < ENGINE_STALE_S and \
             bool(getattr(self.engine, "engine_alive", False))
 
+    async def _first_engine_stats(self) -> None:
+        """Ask the core until its health has reached this worker: otherwise "ready" could come before
+        the core's first heartbeat, and /healthz would answer 503 "unhealthy" in between."""
+        deadline = time.monotonic() + ENGINE_STALE_S
+        while not self.engine_alive() and time.monotonic() < deadline:
+            await self.engine.fresh_stats(timeout=HEARTBEAT_S)
+        if not self.engine_alive():
+            log.warning("engine not alive at start %s", fields(worker=self.name))
+
     # ---- run
 
     async def run(self, sock: socket.socket, certfile: str, keyfile: str,
@@ -112,6 +122,7 @@ class Worker:
         cfg = self.config
         self.engine.start()
         self.engine.warm_up()
+        await self._first_engine_stats()
         await self._open_result_cache()
         router = Router(self.engine, server_settings(cfg, self.name),
                         sampling_defaults=self.sampling_defaults)
