@@ -5,7 +5,7 @@ that imports cost nothing per case and a session ticket outlives its connection.
 
 Commands ({"op": ...}):
   streams    N concurrent streaming chat completions of `max_tokens` tokens each on ONE connection,
-             over "h3" (edged's aioquic client) or "h2" (httpx, HTTP/2 over TLS/TCP). The connection
+             over "h3" (edged's aioquic client) or "h2" (HTTP/2 over TLS/TCP: h2_stream_client.py). The connection
              is set up first (handshake + GET /healthz, timed as connect_s); then every stream starts
              at once. Per stream: TTFT, the gaps between token events, total time.
   returning  one request over a new HTTP/3 connection, timed from before the handshake to the first
@@ -114,17 +114,16 @@ def tls_context(ca_file: str) -> ssl.SSLContext:
 
 
 async def h2_streams(host: str, port: int, ca_file: str, bodies: list[bytes]) -> tuple[float, list[StreamResult]]:
-    import httpx
+    from edged.bench.h2_stream_client import H2StreamClient, H2StreamError
 
-    base = f"https://{host}:{port}"
     t = time.perf_counter()
-    # One connection: the pool may open no second one, and HTTP/2 multiplexes the streams on it.
-    limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
-    async with httpx.AsyncClient(http2=True, verify=tls_context(ca_file), limits=limits,
-                                 timeout=httpx.Timeout(REQUEST_TIMEOUT_S, connect=CONNECT_TIMEOUT_S)) as client:
-        r = await client.get(f"{base}/healthz")
-        if r.http_version != "HTTP/2":
-            raise RuntimeError(f"the server answered {r.http_version}, not HTTP/2")
+    async with H2StreamClient(host, port, tls_context(ca_file), connect_timeout=CONNECT_TIMEOUT_S) as client:
+        health = client.request("GET", "/healthz", {})
+        async with asyncio.timeout(CONNECT_TIMEOUT_S):
+            status = await health.status()
+            await health.read()
+        if status != 200:
+            raise RuntimeError(f"GET /healthz answered {status}")
         connect_s = time.perf_counter() - t
 
         async def one(body: bytes) -> StreamResult:
@@ -132,13 +131,12 @@ async def h2_streams(host: str, port: int, ca_file: str, bodies: list[bytes]) ->
             start = time.perf_counter()
             try:
                 async with asyncio.timeout(REQUEST_TIMEOUT_S):
-                    async with client.stream("POST", f"{base}/v1/chat/completions", content=body,
-                                             headers=HEADERS) as rs:
-                        if rs.status_code != 200:
-                            res.error = f"HTTP {rs.status_code}: {(await rs.aread())[:200]!r}"
-                            return res
-                        await time_sse(rs.aiter_raw(), start, res)
-            except (httpx.HTTPError, ValueError, TimeoutError) as e:
+                    rs = client.request("POST", "/v1/chat/completions", HEADERS, body)
+                    if (status := await rs.status()) != 200:
+                        res.error = f"HTTP {status}: {(await rs.read())[:200]!r}"
+                        return res
+                    await time_sse(rs, start, res)
+            except (H2StreamError, ValueError, TimeoutError) as e:
                 res.error = str(e) or type(e).__name__
             return res
 
@@ -201,14 +199,13 @@ async def h3_first_token(host: str, port: int, ca_file: str, body: bytes, ticket
 
 
 async def h2_first_token(host: str, port: int, ca_file: str, body: bytes) -> dict[str, Any]:
-    import httpx
+    from edged.bench.h2_stream_client import H2StreamClient
 
     start = time.perf_counter()
     res = StreamResult()
-    async with httpx.AsyncClient(http2=True, verify=tls_context(ca_file),
-                                 timeout=httpx.Timeout(REQUEST_TIMEOUT_S, connect=CONNECT_TIMEOUT_S)) as client, \
-            client.stream("POST", f"https://{host}:{port}/v1/chat/completions", content=body, headers=HEADERS) as rs:
-        await time_sse(rs.aiter_raw(), start, res)
+    async with asyncio.timeout(REQUEST_TIMEOUT_S), \
+            H2StreamClient(host, port, tls_context(ca_file), connect_timeout=CONNECT_TIMEOUT_S) as client:
+        await time_sse(client.request("POST", "/v1/chat/completions", HEADERS, body), start, res)
     return {"ttft_s": res.ttft_s, "error": res.error}
 
 
