@@ -52,6 +52,7 @@ class EngineSnapshot:
     host_restored: int | None = None
     tiers: dict[str, dict] = field(default_factory=dict)
     gpu_memory: dict[str, int] = field(default_factory=dict)
+    yielded_steps: int = 0  # CPU steps abandoned for a more important request (llm_engine.StepYielded)
 
     @classmethod
     def of(cls, engine: Any, gpu_memory: dict[str, int] | None = None) -> EngineSnapshot:
@@ -61,7 +62,8 @@ class EngineSnapshot:
         return cls(blocks.num_used, blocks.num_free, c.last_batch_size, c.last_step_s, c.steps, c.decode_tokens,
                    c.prefill_tokens, c.preemptions, blocks.counters.prefix_tokens_reused,
                    tier.counters.spilled if tier else None, tier.counters.restored if tier else None,
-                   {k: dict(v) for k, v in snap.items()}, dict(gpu_memory or {}))
+                   {k: dict(v) for k, v in snap.items()}, dict(gpu_memory or {}),
+                   c.yielded_steps)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -102,6 +104,8 @@ class _LiveCollector(Collector):
         yield CounterMetricFamily("edged_generated_tokens", "tokens sampled", value=e.decode_tokens)
         yield CounterMetricFamily("edged_prefill_tokens", "prompt tokens computed", value=e.prefill_tokens)
         yield CounterMetricFamily("edged_preemptions", "sequences preempted", value=e.preemptions)
+        yield CounterMetricFamily("edged_yielded_steps", "CPU engine steps abandoned between layers for a "
+                                  "request of a more important tier", value=e.yielded_steps)
         yield CounterMetricFamily("edged_prefix_tokens_reused", "prompt tokens served from the prefix cache",
                                   value=e.prefix_tokens_reused)
         if e.host_spilled is not None:

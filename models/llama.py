@@ -1,6 +1,7 @@
 """The Llama-family decoder (Llama, SmolLM, Mistral, Qwen2) written only on `kernels` ops."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -52,14 +53,18 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv: KVCache) -> torch.Tensor:
-        """Hidden states [T, hidden] after the final norm."""
+                kv: KVCache, between_layers: Callable[[], None] | None = None) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm. between_layers, if given, is called before
+        every layer after the first (the engine's CPU steps raise from it to give way to a more
+        important request)."""
         cfg = self.config
         eps = cfg.rms_norm_eps
         # the residual stream: each sublayer's output projection adds itself to it (the linear's
         # epilogue) and the next projection normalizes it on the way in (its prologue)
         residual = self.embed(input_ids)
         for i, layer in enumerate(self.weights.layers):
+            if between_layers is not None and i:
+                between_layers()
             qkv = kernels.linear(residual, layer.qkv, norm_weight=layer.input_norm, norm_eps=eps)
             q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
             q = q.reshape(-1, cfg.num_heads, cfg.head_dim)

@@ -134,3 +134,58 @@ def test_a_cancel_during_an_overlapped_step_frees_every_block() -> None:
     engine.step_overlapped()  # reads back the step in flight; the cancelled sequence is skipped
     assert not engine.has_work()
     assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
+def arriving_mid_step(engine, arrival) -> None:
+    """The engine's next CPU step sees `arrival` added between its first and second layer."""
+    make_check, pending = engine._yield_check, [arrival]
+
+    def check_after_arrival(plan):
+        check = make_check(plan)
+
+        def arrive_then_check() -> None:
+            while pending:
+                engine.add_request(pending.pop())
+            check()
+
+        return arrive_then_check
+
+    engine._yield_check = check_after_arrival
+
+
+def test_a_cpu_step_gives_way_to_a_more_important_arrival_and_every_output_is_unchanged() -> None:
+    ps = prompts(5, seed=31)
+    bronze = [request(f"b{i}", p * 3, max_tokens=8, tier="bronze") for i, p in enumerate(ps[:4])]
+    gold = request("gold", ps[4], max_tokens=8, tier="gold")
+    alone = {r.request_id: run_to_completion(tiny_engine(), [r])[r.request_id] for r in [*bronze, gold]}
+    engine = tiny_engine()
+    for r in bronze:
+        engine._admit(r)
+    arriving_mid_step(engine, gold)
+    assert engine.step() == []  # the bronze step stopped between layers: no tokens, nothing computed
+    assert engine.counters.yielded_steps == 1
+    assert engine.batcher.running and not any(s.num_computed for s in engine.batcher.running)
+    engine._drain_inbox(block=False)
+    first = engine.step()  # gold's prompt, in a step of its own
+    assert [(o.request_id, len(o.new_token_ids)) for o in first] == [("gold", 1)]
+    tokens = {r.request_id: [] for r in [*bronze, gold]}
+    tokens["gold"] += first[0].new_token_ids
+    for _ in range(10_000):
+        if not engine.has_work():
+            break
+        for o in engine.step():
+            tokens[o.request_id] += o.new_token_ids
+    assert tokens == alone
+    assert engine.counters.yielded_steps == 1
+
+
+def test_a_cpu_step_does_not_give_way_to_an_arrival_of_its_own_or_a_lower_tier() -> None:
+    engine = tiny_engine()
+    for i, p in enumerate(prompts(3, seed=33)):
+        engine._admit(request(f"s{i}", p * 3, max_tokens=4, tier="silver"))
+    arriving_mid_step(engine, request("b", [1, 2, 3], max_tokens=4, tier="bronze"))
+    engine.step()
+    arriving_mid_step(engine, request("s", [4, 5, 6], max_tokens=4, tier="silver"))
+    engine.step()
+    assert engine.counters.yielded_steps == 0
+    assert all(s.num_computed > 0 for s in engine.batcher.running)

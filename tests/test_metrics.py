@@ -25,7 +25,8 @@ from helpers.metrics import families, metric_value, samples
 
 
 def fake_engine(**counters):
-    c = dict(last_batch_size=3, last_step_s=0.025, decode_tokens=120, prefill_tokens=64, steps=41, preemptions=2)
+    c = dict(last_batch_size=3, last_step_s=0.025, decode_tokens=120, prefill_tokens=64, steps=41, preemptions=2,
+             yielded_steps=6)
     c.update(counters)
     host = SimpleNamespace(counters=SimpleNamespace(spilled=5, restored=4))
     blocks = SimpleNamespace(num_used=10, num_free=54, counters=SimpleNamespace(prefix_tokens_reused=32),
@@ -60,6 +61,7 @@ def test_every_family_renders_the_values_of_its_sources() -> None:
     assert get("edged_batch_size") == 3 and get("edged_step_seconds") == 0.025
     assert get("edged_engine_steps_total") == 41 and get("edged_generated_tokens_total") == 120
     assert get("edged_prefill_tokens_total") == 64 and get("edged_preemptions_total") == 2
+    assert get("edged_yielded_steps_total") == 6
     assert get("edged_prefix_tokens_reused_total") == 32
     assert (get("edged_host_kv_blocks_total", event="spilled"), get("edged_host_kv_blocks_total", event="restored")) \
         == (5, 4)

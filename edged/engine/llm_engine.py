@@ -8,6 +8,13 @@ vocabulary, a seed outside int64) is refused alone at admission, and a step that
 on halves of its batch until the sequences that make it fail are found; only those end, with a
 generic error naming their request id (the exception goes to the log), and the step runs again
 without them.
+
+On the CPU, where the host computes a step layer by layer, a step gives way to a more important
+request: one of a tier above every sequence in the step that arrives while it runs ends the step
+between two layers (nothing of it is kept: its KV writes lie past each sequence's num_computed and
+are redone), and the next step is that request's. Its first token then waits for one layer, not for
+the rest of a step of up to the step bound. On a GPU the host has queued every layer before a check
+could act, and steps are short.
 """
 from __future__ import annotations
 
@@ -29,6 +36,11 @@ from .sequence import Sequence, SequenceStatus
 
 log = logging.getLogger("edged.engine")
 
+
+class StepYielded(Exception):
+    """Raised between a CPU step's layers: a request more important than the whole step arrived."""
+
+
 def _fits_int64(value: int) -> bool:  # seeds and top_k are packed into int64 tensors
     return -(2**63) <= value < 2**63
 
@@ -44,6 +56,7 @@ class EngineCounters:
     prefill_tokens: int = 0  # prompt tokens computed (prefix-cache hits excluded)
     decode_tokens: int = 0
     preemptions: int = 0
+    yielded_steps: int = 0  # CPU steps abandoned between layers for a more important arrival
     last_step_s: float = 0.0
     last_batch_size: int = 0
     last_progress: float = 0.0  # monotonic time the loop last completed an iteration
@@ -61,6 +74,8 @@ class LLMEngine:
         self.on_outputs = on_outputs
         self.counters = EngineCounters(last_progress=time.monotonic())
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+        self._arrival_lock = threading.Lock()
+        self._arrived_rank = float("inf")  # most important tier added since the inbox was last drained
         self._by_id: dict[str, Sequence] = {}
         self._rng = random.Random()
         self._stop = threading.Event()
@@ -72,6 +87,9 @@ class LLMEngine:
     # --- called from any thread ---
     def add_request(self, request: GenerationRequest) -> None:
         self._inbox.put(("add", request))
+        rank = self.batcher.tier_rank(request.tier)  # after the put: a drain in between leaves a harmless signal
+        with self._arrival_lock:
+            self._arrived_rank = min(self._arrived_rank, rank)
 
     def cancel(self, request_id: str) -> None:
         self._inbox.put(("cancel", request_id))
@@ -105,6 +123,8 @@ class LLMEngine:
     # --- engine thread ---
     def _drain_inbox(self, block: bool) -> list[StepOutput]:
         outputs: list[StepOutput] = []
+        with self._arrival_lock:
+            self._arrived_rank = float("inf")
         try:
             item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
         except queue.Empty:
@@ -210,7 +230,13 @@ class LLMEngine:
         if not plan.chunks:
             return outputs, None
         try:
-            launched = self.runner.launch(plan, prev)
+            launched = self.runner.launch(plan, prev, self._yield_check(plan))
+        except StepYielded:
+            self.counters.yielded_steps += 1
+            log.info("step yielded to a more important request %s", fields(
+                step=self.counters.steps, batch=len(plan.chunks), tokens=sum(c.num_new_tokens for c in plan.chunks),
+                ms=round((time.perf_counter() - scheduled_at) * 1000, 1)))
+            return outputs, None
         except Exception as exc:
             log.exception("engine step failed, isolating %s", fields(step=self.counters.steps,
                                                                      batch=len(plan.chunks), error=repr(exc)))
@@ -228,6 +254,19 @@ class LLMEngine:
         # scheduling and input preparation are part of what a waiting request waits for.
         launched.scheduled_at = scheduled_at  # type: ignore[attr-defined]
         return outputs, launched
+
+    def _yield_check(self, plan: StepPlan) -> Callable[[], None] | None:
+        """On the CPU: a check for between the step's layers that raises StepYielded once a request of a
+        more important tier than any in the plan waits in the inbox."""
+        if self.runner.device.type != "cpu":
+            return None
+        rank = self.batcher.plan_rank(plan)
+
+        def check() -> None:
+            if self._arrived_rank < rank:
+                raise StepYielded
+
+        return check
 
     def _without_culprits(self, plan: StepPlan, prev: LaunchedStep | None) -> tuple[StepPlan, list[StepOutput]]:
         """Find the chunks whose step fails on its own (bisecting the batch), end their sequences,

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -87,8 +88,10 @@ class ModelRunner:
         return input_ids, self._tensor(positions, torch.int64), meta, sample_rows
 
     @torch.inference_mode()
-    def launch(self, plan: StepPlan, prev: LaunchedStep | None = None) -> LaunchedStep:
-        """Queue one step on the device and return at once; its tokens reach the host when asked."""
+    def launch(self, plan: StepPlan, prev: LaunchedStep | None = None,
+               between_layers: Callable[[], None] | None = None) -> LaunchedStep:
+        """Queue one step on the device and return at once; its tokens reach the host when asked.
+        between_layers goes to the model's eager forward (LlamaModel.forward), not into graphs."""
         input_ids, positions, meta, rows = self.prepare(plan, prev)
         sampled = [c.seq for c in plan.chunks if c.completes_prompt]
         index = [c.seq.num_tokens for c in plan.chunks if c.completes_prompt]
@@ -101,12 +104,12 @@ class ModelRunner:
                 logits = logits[self._tensor([i for i, c in enumerate(plan.chunks) if c.completes_prompt],
                                              torch.int64)]
         elif not rows:
-            self.model.forward(input_ids, positions, meta, self.kv)
+            self.model.forward(input_ids, positions, meta, self.kv, between_layers)
             return LaunchedStep(plan, [], [], None)
         elif meta.is_decode and self.graphs is not None and self.graphs.bucket_for(len(rows)) is not None:
             logits = self.graphs.replay(input_ids, positions, meta)
         else:
-            hidden = self.model.forward(input_ids, positions, meta, self.kv)
+            hidden = self.model.forward(input_ids, positions, meta, self.kv, between_layers)
             logits = self.model.logits(hidden[self._tensor(rows, torch.int64)])
         sp = [s.request.sampling for s in sampled]
         if all(p.temperature <= 0 for p in sp):

@@ -1,6 +1,7 @@
 """Batch selection: which sequences run in the next engine step, and how many tokens each.
 
-Step time is bounded. A step cannot be interrupted, so a request arriving during one waits for it:
+Step time is bounded. A GPU step cannot be interrupted, so a request arriving during one waits for it
+(a CPU step gives way between layers to a more important tier: llm_engine.StepYielded):
 each step, from the learned step cost (step_stats.py: a + b * prompt tokens + c * sequences), the
 batcher derives
 - the bound: `step_fraction` (0.1) of the tightest TTFT target among tiers in use (queued, running or
@@ -21,8 +22,9 @@ Each step, in this order, within those limits and the free KV blocks:
    bronze's pace however much slack its TPOT target leaves. A step in which the protected tier has a
    prompt to compute is its own: lower tiers' decodes and prompts wait, and its waiting requests
    skip their batch window, so its first token costs what it would on an idle engine; lower tiers
-   give at most about a tenth of steps this way (`yield_share_max`), so a stream of protected
-   arrivals cannot starve them;
+   give at most about a tenth of steps this way (`yield_share_max`; only steps that hold a lower
+   tier's work back count, not those of a tier alone), so a stream of protected arrivals cannot
+   starve them;
 2. waiting sequences about to miss their TTFT target ("urgent": a quarter of the target left, or
    less than the time to prefill their tier's queue) start, preempting running sequences of
    *lower* tiers if slots or blocks are short (a free slot goes to an urgent request only if no
@@ -206,6 +208,15 @@ class Batcher:
             if not e.ttft_recorded:
                 self.board.forget_prediction(seq.request_id)
         self.blocks.release(seq)
+
+    def tier_rank(self, tier: str) -> int:
+        """Rank (smaller: more important) of the tier a request naming `tier` is queued in; any thread."""
+        with self.board.lock:
+            return self.board.tiers[self.board.resolve(tier)].rank
+
+    def plan_rank(self, plan: StepPlan) -> int:
+        """The most important tier among a plan's sequences."""
+        return min(self.queues.rank_of(self.queues.entries[c.seq]) for c in plan.chunks)
 
     # --- the step plan ---
     def _prio(self, seq: Sequence) -> tuple[int, float, int]:
@@ -414,7 +425,8 @@ class Batcher:
         # decodes and prompts wait, so its first token costs what it costs on an idle engine (they lose
         # one step per such arrival); in at most yield_share_max of recent steps, so that a stream of
         # protected arrivals cannot starve them.
-        self._hold = hold = self.yield_share < self.yield_share_max and self._protected_prefill_waiting()
+        self._hold = hold = self.yield_share < self.yield_share_max and self._protected_prefill_waiting() \
+            and self._lower_tier_present()
         self.yield_share += 0.1 * (float(hold) - self.yield_share)
         decodes = 0
         for seq in sorted(self.running, key=self._prio):
@@ -473,7 +485,7 @@ class Batcher:
     def _derive_limits(self, now: float) -> StepModel:
         """This step's time bound and the batch size it allows, from the learned step model.
 
-        A step cannot be interrupted, so a request arriving during it waits for it: the bound is
+        A GPU step cannot be interrupted, so a request arriving during it waits for it: the bound is
         step_fraction of the tightest TTFT target among the tiers in use (queued, running or seen in
         the last in_use_s), and pace_fraction of the tightest TPOT target among tiers decoding now.
         Lower tiers' decodes also keep `decode_bound_s`: while the protected tier (the most important
@@ -520,6 +532,11 @@ class Batcher:
                 return True
         return any(s.num_uncomputed > 1 and self.queues.rank_of(self.queues.entries[s]) <= self.protected_rank
                    for s in self.running)
+
+    def _lower_tier_present(self) -> bool:
+        """Is there a sequence below the protected tier, i.e. one that a held step makes wait? (Without
+        one a hold gives nothing up and must not use up yield_share_max.)"""
+        return any(st.rank > self.protected_rank and (st.depth or st.running) for st in self.board.tiers.values())
 
     def _prefill_tokens(self, m: StepModel, batch: int, bound_s: float, floor: int | None = None) -> int:
         left = bound_s - m.a - max(m.c, m.b) * (batch + 1)

@@ -35,9 +35,10 @@ def tiny_engine(num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 1
     return LLMEngine(ModelRunner(model, kv), blocks, batcher, c.max_position_embeddings, [], lambda _: None)
 
 
-def request(rid: str, prompt: list[int], max_tokens: int = 12, **sampling) -> GenerationRequest:
+def request(rid: str, prompt: list[int], max_tokens: int = 12, tier: str = "default",
+            **sampling) -> GenerationRequest:
     sampling.setdefault("temperature", 0.0)
-    return GenerationRequest(rid, prompt, SamplingParams(max_tokens=max_tokens, **sampling))
+    return GenerationRequest(rid, prompt, SamplingParams(max_tokens=max_tokens, **sampling), tier=tier)
 
 
 def run_to_completion(engine: LLMEngine, requests: list[GenerationRequest],
