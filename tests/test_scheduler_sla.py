@@ -590,6 +590,27 @@ def test_a_bronze_burst_keeps_gold_within_2x_of_solo_and_is_refused_early() -> N
     assert snap["bronze"]["ttft_prediction_abs_error_sum_s"] > 0
 
 
+def test_admission_judges_a_protected_prompt_by_the_step_of_its_own_it_gets() -> None:
+    """Gold's prompt gets a step without bronze's decodes beside it: admission predicts its first token
+    from that step (before: from one carrying every running decode, which refused gold at a cold start
+    of the real daemon with a predicted 438 ms while gold's actual first tokens took ~220 ms)."""
+    sim = SimEngine(limits=CPU_LIMITS, cost=CPU_COST)
+    sim.submit(sim_request("solo", "gold", 0.0, prompt=70, out=4))  # gold in use: the protected tier
+    while sim.batcher.has_work():
+        sim.step()
+    for i in range(24):
+        sim.submit(sim_request(f"b{i}", "bronze", sim.clock(), prompt=30, out=400))
+    for _ in range(40):
+        sim.step()
+    assert len(sim.batcher.running) > 1
+    predicted = sim.admission.predict_ttft("gold", 70)
+    assert sim.submit(sim_request("g", "gold", sim.clock(), prompt=70, out=4)) is None
+    while sim.results["gold"].first_tokens < 2:
+        sim.step()
+    actual = sim.results["gold"].ttfts[-1]
+    assert abs(predicted - actual) <= 0.1 * actual, (predicted, actual)
+
+
 def test_a_stream_of_gold_prompts_holds_lower_tiers_back_in_few_steps() -> None:
     """A gold prompt gets a step of its own only while such steps are rare: gold arriving at every
     step must not stop bronze."""

@@ -13,8 +13,9 @@ drains: T's weighted max-min fair share of the batch slots (slots / mean slot ti
 that have a queue taking their full share and the others what they asked for lately, counted in
 slot time: a tier of short answers holds its slots for less), or the drain rate measured while T
 was backlogged if that is lower. To the slot wait it adds the prefill time of
-what is ahead plus its own prompt, from the engine's recent step times (step_stats.py). The estimate
-must stay under `headroom` x target.
+what is ahead plus its own prompt, from the engine's recent step times (step_stats.py): for the
+protected tier (the most important in use), in the step of its own its prompt gets, beside only its
+tier's decodes (batcher.py). The estimate must stay under `headroom` x target.
 
 A request whose tier can preempt running sequences of lower tiers has a firm bound as well: the
 batcher preempts for it once it is urgent, a quarter of its target before its deadline. If the
@@ -189,10 +190,12 @@ class AdmissionController:
         # may start up to the configured cap (lower tiers' decodes give way instead).
         slots = max(1, board.engine_slots or self.limits.max_num_seqs)
         budget = max(1, board.engine_budget or self.limits.max_batch_tokens)
+        running = sum(st.running for st in board.tiers.values())
+        beside = running  # the decodes its prompt's steps carry
         if board.engine_cap and me.rank <= board.engine_protected_rank:
             slots = max(slots, board.engine_cap)
             budget = max(budget, board.engine_protected_budget)
-        running = sum(st.running for st in board.tiers.values())
+            beside = min(running, board.engine_protected_beside)
         # Who starts first: my tier's whole queue (EDF), and of each other tier what weighted fair
         # sharing lets it start while mine works through its queue.
         mine = me.depth
@@ -236,10 +239,10 @@ class AdmissionController:
             rate = min(rate, me.backlog_rate)
         wait_slots = max(max(0.0, ahead + 1 - free) / capacity,
                          max(0.0, mine + 1 - free) / rate if rate > 0 else math.inf)
-        own = stats.prefill_s(tokens, budget, running + 1)
-        everything = stats.prefill_s(int(ahead_tokens) + tokens, budget, running + 1)
+        own = stats.prefill_s(tokens, budget, beside + 1)
+        everything = stats.prefill_s(int(ahead_tokens) + tokens, budget, beside + 1)
         natural = max(wait_slots + own, everything)
-        first = stats.prefill_s(int(precedence_tokens) + tokens, budget, running + 1)
+        first = stats.prefill_s(int(precedence_tokens) + tokens, budget, beside + 1)
         # Once urgent (urgency_fraction of the target before its deadline) it preempts a lower tier:
         # a firm bound if, by then, the slots free now, those of lower tiers and those its tier gets
         # meanwhile cover everything with precedence over it.

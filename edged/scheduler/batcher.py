@@ -473,13 +473,21 @@ class Batcher:
         # While KV blocks rather than the cap bound the batch, admission counts the slots actually usable.
         kv_bound = self._kv_blocked and len(self.running) < cap
         slots = max(1, len(self.running)) if kv_bound else min(cap, self.admission_cap)
+        # A new prompt of the protected tier gets a step of its own while lower tiers may still give
+        # one up: admission judges it by that step (its tier's decodes beside it), not by this one.
+        if self.yield_share < self.yield_share_max:
+            beside = sum(1 for s in self.running if self.queues.rank_of(self.queues.entries[s]) <= self.protected_rank)
+            own_budget = self._prefill_tokens(m, beside, max(self.step_bound_s,
+                                                             self.protected_ttft_s * self.protected_step_fraction))
+        else:
+            beside, own_budget = len(self.running), self.protected_budget
         # Admission sees at least the small chunk: the pace hold that may stop lower tiers' prompts
         # lasts only while a higher tier decodes.
         self.board.publish_engine(slots=slots, budget=max(1, self.min_prefill_tokens, self.prefill_budget),
                                   running=len(self.running),
                                   cap=max(1, len(self.running)) if kv_bound else cap,
                                   protected_rank=self.protected_rank,
-                                  protected_budget=max(1, self.protected_budget))
+                                  protected_budget=max(1, own_budget), protected_beside=beside)
         return plan
 
     def _derive_limits(self, now: float) -> StepModel:

@@ -176,6 +176,9 @@ class TierBoard:
         self.engine_cap = 0
         self.engine_protected_rank = 0
         self.engine_protected_budget = 0
+        # The sequences a protected prompt's step carries besides it: only its own tier's and those above
+        # while lower tiers give such steps up (batcher: yield_share_max), else every running one.
+        self.engine_protected_beside = 0
         self.reconfigure(tiers if tiers is not None else default_tiers(),
                          default_tier if default_tier is not None else SchedulerConfig().default_tier)
 
@@ -323,12 +326,14 @@ class TierBoard:
             self.tiers[tier].cancelled += 1
 
     def publish_engine(self, slots: int, budget: int, running: int, cap: int | None = None,
-                       protected_rank: int = 0, protected_budget: int | None = None) -> None:
+                       protected_rank: int = 0, protected_budget: int | None = None,
+                       protected_beside: int | None = None) -> None:
         with self.lock:
             self.engine_slots, self.engine_budget, self.engine_running = slots, budget, running
             self.engine_cap = slots if cap is None else cap
             self.engine_protected_rank = protected_rank
             self.engine_protected_budget = budget if protected_budget is None else protected_budget
+            self.engine_protected_beside = running if protected_beside is None else protected_beside
 
     def move_queued(self, src: str, dst: str, count: int, tokens: int) -> None:
         """Account for waiting sequences of a removed tier now queued in another tier."""
