@@ -1,9 +1,9 @@
 """A minimal HTTP/2 client (asyncio + the `h2` library) for timing token streams over TLS/TCP.
 
 One task reads the socket and hands each stream's DATA to that stream's queue the moment it
-arrives, so a token's arrival time is the socket's, whichever stream the caller is awaiting. (httpx
-reads HTTP/2 frames only from inside the stream being awaited: with 8 streams on one connection it
-handed some tokens over a step late, in pairs, which doubled HTTP/2's inter-token p99 at 0% loss.)
+arrives, so a token's arrival time is the socket's, whichever stream the caller is awaiting (httpx
+reads HTTP/2 frames from inside the stream being awaited; on the same tokens it measured within a few
+ms of this client: docs/BENCHMARKS.md, issue 17, session 11). `edged bench network` times HTTP/2 with it.
 """
 from __future__ import annotations
 

@@ -248,6 +248,7 @@ class NetworkRun:
     returning: list[Any] = field(default_factory=list)  # ReturningSummary
     raw: list[dict[str, Any]] = field(default_factory=list)
     loads: list[float] = field(default_factory=list)
+    calls: int = 0  # streams calls so far: each one's seed
 
     def daemon_env(self, cc: str) -> dict[str, str]:
         from edged.bench.lab_daemon import CC_ENV, INITIAL_RTT_ENV, STEP_MS_ENV
@@ -305,8 +306,12 @@ class NetworkRun:
         self.lab.set_loss(loss)  # also zeroes the drop counters: each case counts its own
         runs = []
         for rep in range(self.cfg.reps):
+            # The same prompts for every protocol and variant of a case and rep, so they are compared on
+            # the same tokens; a seed of its own per call, so no answer comes from the result cache.
+            self.calls += 1
             res = self.client.call({"op": "streams", "proto": proto, "streams": self.cfg.streams,
-                                    "max_tokens": self.cfg.max_tokens, "seed": rep})
+                                    "max_tokens": self.cfg.max_tokens, "seed": self.calls,
+                                    "prompts": f"{loss}-{delay:g}-{rep}"})
             runs.append(res)
             self.raw.append({"proto": label, "loss_pct": loss, "delay_ms": delay, "rep": rep, **res})
         case = summarize_case(label, loss, delay, runs, self.lab.counters(), self.cfg.stall_ms / 1000)

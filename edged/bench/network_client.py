@@ -4,7 +4,8 @@ input, one JSON result per line on standard output, until EOF. One process for t
 that imports cost nothing per case and a session ticket outlives its connection.
 
 Commands ({"op": ...}):
-  streams    N concurrent streaming chat completions of `max_tokens` tokens each on ONE connection,
+  streams    N concurrent streaming chat completions of `max_tokens` tokens each on ONE connection
+             (prompts named by "prompts": equal keys, equal prompts; greedy, so equal tokens),
              over "h3" (edged's aioquic client) or "h2" (HTTP/2 over TLS/TCP: h2_stream_client.py). The connection
              is set up first (handshake + GET /healthz, timed as connect_s); then every stream starts
              at once. Per stream: TTFT, the gaps between token events, total time.
@@ -26,7 +27,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 REQUEST_TIMEOUT_S = 120.0
-# Every prompt of a process is new: no answer comes from the daemon's result cache (kept on, as deployed).
+# Prompts without a "prompts" key are new in each call; a seed differs per call: no answer comes from the
+# daemon's result cache (kept on, as deployed).
 NONCE = itertools.count()
 CONNECT_TIMEOUT_S = 20.0  # a lost Initial or SYN costs a second or more at 5% loss
 
@@ -146,7 +148,11 @@ async def h2_streams(host: str, port: int, ca_file: str, bodies: list[bytes]) ->
 
 async def run_streams(cmd: dict[str, Any], host: str, port: int, ca_file: str) -> dict[str, Any]:
     n, tokens, seed = int(cmd["streams"]), int(cmd["max_tokens"]), int(cmd.get("seed", 0))
-    bodies = [chat_body(f"Request {next(NONCE)}, stream {i}: tell a long story about the sea.", tokens,
+    # The same "prompts" key gives the same prompts, hence the same greedy tokens, whatever the protocol:
+    # runs compared with each other then carry the same special tokens (sent without text, so the next
+    # token event comes a step or more later). Each call's own seed keeps the result cache from answering.
+    key = cmd.get("prompts", f"n{next(NONCE)}")
+    bodies = [chat_body(f"Request {key}, stream {i}: tell a long story about the sea.", tokens,
                         seed * 1000 + i) for i in range(n)]
     run = h3_streams if cmd["proto"] == "h3" else h2_streams
     t = time.perf_counter()
