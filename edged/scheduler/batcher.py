@@ -449,8 +449,7 @@ class Batcher:
         self.prefill_budget = self._prefill_tokens(m, len(plan.chunks), self.step_bound_s,
                                                    0 if self.pace_bound else None)
         self._lower_left = 0 if hold else self.prefill_budget
-        self.protected_budget = self._prefill_tokens(m, len(plan.chunks), max(
-            self.step_bound_s, self.protected_ttft_s * self.protected_step_fraction))
+        self.protected_budget = self._prefill_tokens(m, len(plan.chunks), self._protected_prompt_bound_s())
         self._budget = min(self._budget, max(self.prefill_budget, self.protected_budget))
         # 2. Urgent waiting requests (may preempt lower tiers).
         urgent = self._urgent_fn(running_before)
@@ -477,8 +476,7 @@ class Batcher:
         # one up: admission judges it by that step (its tier's decodes beside it), not by this one.
         if self.yield_share < self.yield_share_max:
             beside = sum(1 for s in self.running if self.queues.rank_of(self.queues.entries[s]) <= self.protected_rank)
-            own_budget = self._prefill_tokens(m, beside, max(self.step_bound_s,
-                                                             self.protected_ttft_s * self.protected_step_fraction))
+            own_budget = self._prefill_tokens(m, beside, self._protected_prompt_bound_s())
         else:
             beside, own_budget = len(self.running), self.protected_budget
         # Admission sees at least the small chunk: the pace hold that may stop lower tiers' prompts
@@ -540,6 +538,11 @@ class Batcher:
                 return True
         return any(s.num_uncomputed > 1 and self.queues.rank_of(self.queues.entries[s]) <= self.protected_rank
                    for s in self.running)
+
+    def _protected_prompt_bound_s(self) -> float:
+        """How long a step with a protected-tier prompt may take: the step bound, or a share of that
+        tier's TTFT target if longer (its prompt computed in one step rather than in pieces)."""
+        return max(self.step_bound_s, self.protected_ttft_s * self.protected_step_fraction)
 
     def _lower_tier_present(self) -> bool:
         """Is there a sequence below the protected tier, i.e. one that a held step makes wait? (Without
