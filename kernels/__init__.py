@@ -32,7 +32,7 @@ from .weights import LinearWeight, concat_out, dequantize, pack_w4, quantize_w4,
 __all__ = [
     "LinearWeight", "concat_out", "dequantize", "pack_w4", "quantize_w4", "quantize_w8",
     "linear", "rms_norm", "rope", "silu_and_mul", "write_kv", "rope_write_kv", "attention_decode",
-    "attention_prefill", "sample", "backend_for",
+    "attention_prefill", "argmax", "sample", "backend_for",
 ]
 
 _triton_ops: ModuleType | None = None
@@ -79,11 +79,12 @@ def backend_for(t: torch.Tensor) -> ModuleType:
 
 def linear(x: torch.Tensor, w: LinearWeight, out_dtype: torch.dtype | None = None, *,
            norm_weight: torch.Tensor | None = None, norm_eps: float = 0.0, silu_mul: bool = False,
-           residual: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ W^T (+ b); optionally RMSNorm(x) or silu(gate) * up as its input and a residual add on its
-    output (reference.linear defines each; the GPU fuses them into the decode GEMV)."""
+           residual: torch.Tensor | None = None, silu_mul_out: bool = False) -> torch.Tensor:
+    """x @ W^T (+ b); optionally RMSNorm(x) or silu(gate) * up as its input, and a residual add or
+    silu(gate) * up on its output (reference.linear defines each; the GPU fuses them into the decode
+    GEMV)."""
     return backend_for(x).linear(x, w, out_dtype=out_dtype, norm_weight=norm_weight, norm_eps=norm_eps,
-                                 silu_mul=silu_mul, residual=residual)
+                                 silu_mul=silu_mul, residual=residual, silu_mul_out=silu_mul_out)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -125,6 +126,11 @@ def attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       v_scale: torch.Tensor | None = None) -> torch.Tensor:
     return backend_for(q).attention_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q,
                                             context_lens, scale, k_scale, v_scale)
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Greedy tokens: the first index of each row's maximum, [B, V] -> [B] int64."""
+    return backend_for(logits).argmax(logits)
 
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,

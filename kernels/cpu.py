@@ -32,7 +32,8 @@ import torch.nn.functional as F
 
 from . import cpu_native
 from .reference import quantize_kv_int8
-from .reference import sample as sample  # noqa: PLC0414 - one per-step op: the reference is the implementation
+from .reference import argmax as argmax  # noqa: PLC0414 - per-step ops: the reference is the implementation
+from .reference import sample as sample  # noqa: PLC0414
 from .weights import LinearWeight, dequantize
 
 DEQUANT_ROWS = 32  # rows from which a quantized linear dequantizes into scratch and runs a dense GEMM
@@ -117,14 +118,18 @@ def _packed(w: LinearWeight) -> CpuPacked:
 
 def linear(x: torch.Tensor, w: LinearWeight, out_dtype: torch.dtype | None = None, *,
            norm_weight: torch.Tensor | None = None, norm_eps: float = 0.0, silu_mul: bool = False,
-           residual: torch.Tensor | None = None) -> torch.Tensor:
+           residual: torch.Tensor | None = None, silu_mul_out: bool = False) -> torch.Tensor:
     """y = x @ W^T + b, accumulated in fp32, returned in out_dtype (default: x's dtype); the fused
     forms of reference.linear run as this module's own ops in turn."""
+    if silu_mul_out and (residual is not None or w.out_features % 2):
+        raise ValueError("silu_mul_out needs an even out_features and no residual")
     if norm_weight is not None:
         x, _ = rms_norm(x, norm_weight, norm_eps)
     if silu_mul:
         x = silu_and_mul(x)
     y = _linear(x, w, out_dtype)
+    if silu_mul_out:
+        return silu_and_mul(y)
     if residual is None:
         return y
     if y.dtype == residual.dtype and y.shape == residual.shape:

@@ -26,19 +26,24 @@ from .weights import LinearWeight, dequantize
 
 def linear(x: torch.Tensor, w: LinearWeight, out_dtype: torch.dtype | None = None, *,
            norm_weight: torch.Tensor | None = None, norm_eps: float = 0.0, silu_mul: bool = False,
-           residual: torch.Tensor | None = None) -> torch.Tensor:
+           residual: torch.Tensor | None = None, silu_mul_out: bool = False) -> torch.Tensor:
     """y = x @ W^T + b for any weight format: dequantized and accumulated in float32, returned in
     out_dtype (default: x's dtype).
 
     The fused forms are these compositions, each op rounding as it does alone: norm_weight, the input
     is rms_norm(x, norm_weight, norm_eps); silu_mul, it is silu_and_mul(x) (x holds 2 * in_features);
-    residual, the result is y + residual (the residual stream's add, rounded once more)."""
+    residual, the result is y + residual (the residual stream's add, rounded once more);
+    silu_mul_out, the result is silu_and_mul(y) (W's rows are [gate | up]; no residual with it)."""
+    if silu_mul_out and (residual is not None or w.out_features % 2):
+        raise ValueError("silu_mul_out needs an even out_features and no residual")
     if norm_weight is not None:
         x, _ = rms_norm(x, norm_weight, norm_eps)
     if silu_mul:
         x = silu_and_mul(x)
     bias = None if w.bias is None else w.bias.to(torch.float32)
     y = F.linear(x.to(torch.float32), dequantize(w, torch.float32), bias).to(out_dtype or x.dtype)
+    if silu_mul_out:
+        return silu_and_mul(y)
     return y if residual is None else y + residual
 
 
@@ -208,6 +213,11 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     before = probs.cumsum(dim=-1) - probs  # mass strictly above this token
     sorted_logits = sorted_logits.masked_fill((before >= top_p[:, None]) & (rank > 0), float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Greedy tokens: logits [B, V] -> [B] int64, the first index of each row's maximum."""
+    return logits.argmax(dim=-1)
 
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,

@@ -8,8 +8,9 @@ Paths, by the number of rows M of x:
   reduced in float32 as scale * sum(x * q) + minimum * sum(x), q exact as a float: one FMA a weight,
   one accumulator a chunk (sum(x) once for all rows of the program); on sm_80+ the bytes become
   floats through inline PTX (kernels/triton_convert.py: same floats, fewer instructions). Small
-  GEMVs also take the RMSNorm or the SiLU of their input in their prologue; every GEMV can add the
-  residual in its epilogue.
+  GEMVs also take the RMSNorm or the SiLU of their input in their prologue, or (a [gate | up] weight)
+  make silu(gate) * up in their epilogue, each program taking gate rows and the matching up rows;
+  every GEMV can add the residual in its epilogue.
 - M > 1, w8 / w4: a tiled tl.dot kernel with dequantization in the loop, split over K while the
   output tiles alone cannot fill the GPU (decode batches). Dense weights from M = 2 on go to cuBLAS.
   Both dequantize their weight tile in float32 (q * scale + minimum per group) and round it to the
@@ -62,8 +63,61 @@ def _epilogue(y, n_ld, mask, out_ptrs, bias_ptr, res_ptrs, HAS_BIAS: tl.constexp
 
 
 @triton.jit
+def _gemv_rows(pid_n, N, ROWS: tl.constexpr, GATED: tl.constexpr):
+    """The weight rows (i0..i3, clamped to valid rows) of GEMV program pid_n, and their output indices
+    as a 4-vector (N where a slot is unused: masked). GATED: the rows are [gate | up] halves and the
+    program takes ROWS // 2 gate rows and the up rows of the same outputs."""
+    r = tl.arange(0, 4)
+    if GATED:
+        half = N // 2
+        n0 = pid_n * (ROWS // 2)
+        g = n0 + r % (ROWS // 2)  # slots: gates, then their ups
+        idx = tl.where(r < ROWS // 2, g, half + g)
+        idx = tl.where((r < ROWS) & (g < half), idx, N)
+        i0 = tl.minimum(n0, half - 1)
+        if ROWS == 2:
+            i1 = half + i0
+            i2 = i0
+            i3 = i0
+        else:
+            i1 = tl.minimum(n0 + 1, half - 1)
+            i2 = half + i0
+            i3 = half + i1
+    else:
+        n0 = pid_n * ROWS
+        idx = tl.where(r < ROWS, n0 + r, N)
+        i0 = tl.minimum(n0, N - 1)
+        i1 = tl.minimum(n0 + 1, N - 1)
+        i2 = tl.minimum(n0 + 2, N - 1)
+        i3 = tl.minimum(n0 + 3, N - 1)
+    return i0.to(tl.int64), i1.to(tl.int64), i2.to(tl.int64), i3.to(tl.int64), idx
+
+
+@triton.jit
+def _gated_epilogue(y, idx, N, pid_n, bias_ptr, out_ptr, HAS_BIAS: tl.constexpr, ROWS: tl.constexpr):
+    """silu(gate) * up of the program's ROWS // 2 outputs from its [gates, ups] row results: each rounded
+    to the output dtype first (linear's output), as silu_and_mul reads them."""
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + tl.minimum(idx, N - 1)).to(tl.float32)
+    y = y.to(out_ptr.dtype.element_ty).to(tl.float32)
+    r = tl.arange(0, 4)
+    g0 = tl.sum(tl.where(r == 0, y, 0.0), axis=0)
+    u0 = tl.sum(tl.where(r == ROWS // 2, y, 0.0), axis=0)
+    o = tl.where(r == 0, _silu_mul(g0, u0), 0.0)
+    if ROWS == 4:
+        g1 = tl.sum(tl.where(r == 1, y, 0.0), axis=0)
+        u1 = tl.sum(tl.where(r == 3, y, 0.0), axis=0)
+        o = tl.where(r == 1, _silu_mul(g1, u1), o)
+    n = pid_n * (ROWS // 2) + r
+    tl.store(out_ptr + n, o.to(out_ptr.dtype.element_ty), mask=(r < ROWS // 2) & (idx < N))
+
+
+@triton.jit
 def _gemv_store(y, n, N, pid_n, pid_k, num_splits, bias_ptr, out_ptr, part_ptr, counters_ptr, res_ptr,
-                HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, RESIDUAL: tl.constexpr):
+                HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, RESIDUAL: tl.constexpr, GATED: tl.constexpr,
+                ROWS: tl.constexpr):
+    """The row results y at output indices n (_gemv_rows), summed over K splits by the last split to
+    arrive, through the epilogue: _epilogue's, or GATED's silu(gate) * up."""
     mask = n < N
     n_ld = tl.minimum(n, N - 1)
     if SPLIT:
@@ -73,7 +127,12 @@ def _gemv_store(y, n, N, pid_n, pid_k, num_splits, bias_ptr, out_ptr, part_ptr, 
             acc = tl.zeros_like(y)
             for s in range(num_splits):
                 acc += tl.load(part_ptr + s * N + n_ld, cache_modifier=".cg")
-            _epilogue(acc, n_ld, mask, out_ptr + n, bias_ptr, res_ptr + n_ld, HAS_BIAS, RESIDUAL)
+            if GATED:
+                _gated_epilogue(acc, n, N, pid_n, bias_ptr, out_ptr, HAS_BIAS, ROWS)
+            else:
+                _epilogue(acc, n_ld, mask, out_ptr + n, bias_ptr, res_ptr + n_ld, HAS_BIAS, RESIDUAL)
+    elif GATED:
+        _gated_epilogue(y, n, N, pid_n, bias_ptr, out_ptr, HAS_BIAS, ROWS)
     else:
         _epilogue(y, n_ld, mask, out_ptr + n, bias_ptr, res_ptr + n_ld, HAS_BIAS, RESIDUAL)
 
@@ -151,7 +210,7 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr, 
                  N, K, k_per_split, num_splits, stride_wn, stride_sn, FORMAT: tl.constexpr, HAS_BIAS: tl.constexpr,
                  SPLIT: tl.constexpr, EVEN_K: tl.constexpr, GROUP_SIZE: tl.constexpr, ROWS: tl.constexpr,
                  BLOCK_K: tl.constexpr, VEC: tl.constexpr, NORM: tl.constexpr, SILU: tl.constexpr,
-                 RESIDUAL: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr):
+                 RESIDUAL: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr, GATED: tl.constexpr):
     """One row of x against ROWS (1, 2 or 4) rows of dense or w8 weights; program (row block, k split).
     Each step loads one [BLOCK_K // VEC, VEC] tile of x (a thread owns VEC consecutive columns, one
     16-byte weight load) and uses it for every weight row: x is read and converted once per ROWS
@@ -161,16 +220,13 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr, 
     one minimum per chunk and row.
     Fused around it (decode of one sequence): NORM, x is RMSNorm(x) * nw (inverse RMS over the whole
     row first); SILU, x holds [gate | up] (2K values) and is silu(gate) * up; each rounded to the
-    activation dtype as its own op would be. RESIDUAL adds res to the rounded result (_epilogue)."""
+    activation dtype as its own op would be. RESIDUAL adds res to the rounded result (_epilogue);
+    GATED, the weight holds [gate | up] rows and the output is silu(gate) * up (_gated_epilogue)."""
     pdl_begin(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    n0 = pid_n * ROWS
-    # rows past N are clamped to N - 1 (valid loads) and masked at the store
-    i0 = tl.minimum(n0, N - 1).to(tl.int64)
-    i1 = tl.minimum(n0 + 1, N - 1).to(tl.int64)
-    i2 = tl.minimum(n0 + 2, N - 1).to(tl.int64)
-    i3 = tl.minimum(n0 + 3, N - 1).to(tl.int64)
+    # rows past N are clamped to valid rows (valid loads) and masked at the store
+    i0, i1, i2, i3, n = _gemv_rows(pid_n, N, ROWS, GATED)
     r0 = w_ptr + i0 * stride_wn
     r1 = w_ptr + i1 * stride_wn
     r2 = w_ptr + i2 * stride_wn
@@ -212,9 +268,8 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr, 
             a3 = _dot_row(a3, r3, scale_ptr + i3 * stride_sn, min_ptr + i3 * stride_sn, k, grp, x0, x1, x2, x3,
                           xsum, km, cm, FORMAT, EVEN_K, BLOCK_K // VEC, VEC, ASM)
     y = _rows_result(tl.sum(a0, axis=0), tl.sum(a1, axis=0), tl.sum(a2, axis=0), tl.sum(a3, axis=0))
-    n = n0 + tl.arange(0, 4)
-    _gemv_store(y, tl.where(tl.arange(0, 4) < ROWS, n, N), N, pid_n, pid_k, num_splits, bias_ptr, out_ptr, part_ptr,
-                counters_ptr, res_ptr, HAS_BIAS, SPLIT, RESIDUAL)
+    _gemv_store(y, n, N, pid_n, pid_k, num_splits, bias_ptr, out_ptr, part_ptr, counters_ptr, res_ptr, HAS_BIAS,
+                SPLIT, RESIDUAL, GATED, ROWS)
 
 
 @triton.jit
@@ -288,20 +343,17 @@ def _gemv_w4_kernel(xw_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_p
                     eps, N, KB, kb_per_split, num_splits, stride_wn, stride_sn,
                     X_KIND: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
                     GROUP_SIZE: tl.constexpr, ROWS: tl.constexpr, BLOCK_KB: tl.constexpr, NORM: tl.constexpr,
-                    SILU: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr):
+                    SILU: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr,
+                    GATED: tl.constexpr):
     """One row of x against ROWS (1, 2 or 4) rows of w4 weights (KB bytes a row), as _gemv_kernel.
     Tiles are [BLOCK_KB // 16, 16] bytes: a 16-byte chunk lies inside one group (groups are >= 16
     bytes), so it takes one scale and one minimum. x comes as words holding the pair
     (x[2j], x[2j+1]) of byte j, unpacked once per step for all rows; NORM / SILU / RESIDUAL as in
-    _gemv_kernel (nw_ptr: the norm weight as words too; SILU: gate words, then KB up words)."""
+    _gemv_kernel (nw_ptr: the norm weight as words too; SILU: gate words, then KB up words; GATED)."""
     pdl_begin(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    n0 = pid_n * ROWS
-    i0 = tl.minimum(n0, N - 1).to(tl.int64)
-    i1 = tl.minimum(n0 + 1, N - 1).to(tl.int64)
-    i2 = tl.minimum(n0 + 2, N - 1).to(tl.int64)
-    i3 = tl.minimum(n0 + 3, N - 1).to(tl.int64)
+    i0, i1, i2, i3, n = _gemv_rows(pid_n, N, ROWS, GATED)
     chunk = tl.arange(0, BLOCK_KB // 16) * 16
     v = tl.arange(0, 16)
     b_lo = pid_k * kb_per_split
@@ -344,9 +396,8 @@ def _gemv_w4_kernel(xw_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_p
             a3 = _dot_row_w4(a3, w_ptr + i3 * stride_wn, scale_ptr + i3 * stride_sn, min_ptr + i3 * stride_sn,
                              byte, grp, e0, e1, e2, e3, o0, o1, o2, o3, xsum, cm, EVEN_K, BLOCK_KB // 16, ASM)
     y = _rows_result(tl.sum(a0, axis=0), tl.sum(a1, axis=0), tl.sum(a2, axis=0), tl.sum(a3, axis=0))
-    n = n0 + tl.arange(0, 4)
-    _gemv_store(y, tl.where(tl.arange(0, 4) < ROWS, n, N), N, pid_n, pid_k, num_splits, bias_ptr, out_ptr, part_ptr,
-                counters_ptr, res_ptr, HAS_BIAS, SPLIT, RESIDUAL)
+    _gemv_store(y, n, N, pid_n, pid_k, num_splits, bias_ptr, out_ptr, part_ptr, counters_ptr, res_ptr, HAS_BIAS,
+                SPLIT, RESIDUAL, GATED, ROWS)
 
 
 @triton.jit
@@ -608,15 +659,18 @@ def _gemv_counters(device: torch.device, rows: int, split: int, unused: torch.Te
 def linear(x: torch.Tensor, w: LinearWeight, config: LinearConfig | None = None,
            out_dtype: torch.dtype | None = None, *, norm_weight: torch.Tensor | None = None,
            norm_eps: float = 0.0, silu_mul: bool = False, residual: torch.Tensor | None = None,
-           fuse_input: bool | None = None) -> torch.Tensor:
+           silu_mul_out: bool = False, fuse_input: bool | None = None) -> torch.Tensor:
     """y = x @ W^T + b for x [..., K], accumulated in float32, returned in out_dtype (default x's).
 
     Fused forms (reference.linear says what each computes): norm_weight, x is RMSNorm(x) * norm_weight
     first; silu_mul, x [..., 2K] holds [gate | up] and the input is silu(gate) * up; residual, the
-    rounded result plus residual. One kernel for a single row (the decode GEMV) whatever the form;
-    several rows run the norm and the SiLU as their own kernels (the matmul adds the residual).
-    fuse_input overrides the size rule for the norm and the SiLU of a single row (benchmarks)."""
+    rounded result plus residual; silu_mul_out, W's rows are [gate | up] and the result is
+    silu(gate) * up [..., N / 2]. One kernel for a single row (the decode GEMV) whatever the form;
+    several rows run the norm and the SiLUs as their own kernels (the matmul adds the residual).
+    fuse_input overrides the size rule for the norm and the SiLUs of a single row (benchmarks)."""
     out_dtype = out_dtype or x.dtype
+    if silu_mul_out and (residual is not None or w.out_features % 2):
+        raise ValueError("silu_mul_out needs an even out_features and no residual")
     k = w.in_features
     n = w.out_features
     lead = x.shape[:-1]
@@ -630,7 +684,9 @@ def linear(x: torch.Tensor, w: LinearWeight, config: LinearConfig | None = None,
     cfg = config or choose_config(m, n, k, w.format, x.device)
     # RMSNorm / SiLU in the GEMV's prologue only where the GEMV is small (launch-bound): each program
     # recomputes the row's inverse RMS or the SiLU of its columns, which on an H200 costs more than
-    # the separate kernel from about 8M weights on (w8 28672x4096: +40 us against ~3 us)
+    # the separate kernel from about 8M weights on (w8 28672x4096: +40 us against ~3 us). SiLU in the
+    # epilogue too: a program then streams a gate and an up row block far apart, which measured 1-2 us
+    # slower than the plain GEMV + silu_and_mul at 1B and 8B gate_up shapes (docs/BENCHMARKS.md)
     if fuse_input is None:
         fuse_input = n * k <= FUSED_INPUT_MAX_WEIGHTS
     fuse_input = fuse_input and cfg.kind == "gemv"
@@ -641,6 +697,9 @@ def linear(x: torch.Tensor, w: LinearWeight, config: LinearConfig | None = None,
         x2 = silu_and_mul(x2)
         silu_mul = False
     res2 = None if residual is None else residual.reshape(m, n)
+    if silu_mul_out and not fuse_input:
+        y = linear(x2, w, cfg, out_dtype, residual=residual)
+        return silu_and_mul(y).reshape(*lead, n // 2)
     if cfg.kind == "torch":
         y = _torch_linear(x2, w, out_dtype)
         if res2 is not None:
@@ -657,26 +716,28 @@ def linear(x: torch.Tensor, w: LinearWeight, config: LinearConfig | None = None,
     scale = w.scale if w.scale is not None else data
     minimum = w.minimum if w.minimum is not None else scale
     bias = w.bias if w.bias is not None else data
-    out = torch.empty(m, n, dtype=out_dtype, device=x.device)
+    out = torch.empty(m, n // 2 if silu_mul_out else n, dtype=out_dtype, device=x.device)
     res = res2 if res2 is not None else out
     nw = norm_weight.to(x.dtype).contiguous() if norm_weight is not None else out
-    fused = dict(NORM=norm_weight is not None, SILU=silu_mul)
+    fused = dict(NORM=norm_weight is not None, SILU=silu_mul, GATED=silu_mul_out)
     split = max(1, cfg.split)
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
     if cfg.kind == "gemv" and cfg.block_n not in (1, 2, 4):
         raise ValueError(f"a GEMV program takes 1, 2 or 4 weight rows, not {cfg.block_n}")
+    rows_per_program = max(cfg.block_n, 2) if silu_mul_out else cfg.block_n  # a gate row and its up row
+    # programs of the GEMV: each makes rows_per_program results, or half as many gated outputs
+    programs = triton.cdiv(n // 2, rows_per_program // 2) if silu_mul_out else triton.cdiv(n, rows_per_program)
     if fmt == 2 and cfg.kind == "gemv":
         kb = k // 2  # bytes a row; a whole number of 16-byte chunks since groups are >= 32 weights
         block_kb = max(16, cfg.block_k // 2)
         per = -(-kb // split)
         per = -(-per // block_kb) * block_kb
         split = -(-kb // per)
-        rows = triton.cdiv(n, cfg.block_n)
-        _gemv_w4_kernel[(rows, split)](
-            _x_words(x2), data, scale, minimum, bias, out, part, _gemv_counters(x.device, rows, split, out),
+        _gemv_w4_kernel[(programs, split)](
+            _x_words(x2), data, scale, minimum, bias, out, part, _gemv_counters(x.device, programs, split, out),
             _x_words(nw) if norm_weight is not None else out, res, norm_eps, n, kb, per, split, data.stride(0),
             scale.stride(0), X_KIND=_X_KINDS[x.dtype], HAS_BIAS=w.bias is not None, SPLIT=split > 1,
-            EVEN_K=kb % block_kb == 0, GROUP_SIZE=w.group_size, ROWS=cfg.block_n, BLOCK_KB=block_kb,
+            EVEN_K=kb % block_kb == 0, GROUP_SIZE=w.group_size, ROWS=rows_per_program, BLOCK_KB=block_kb,
             RESIDUAL=res2 is not None, **fused, ASM=asm_conversions(x.device), num_warps=cfg.num_warps,
             num_stages=cfg.num_stages, **pdl_launch(x.device))
     else:
@@ -689,11 +750,11 @@ def linear(x: torch.Tensor, w: LinearWeight, config: LinearConfig | None = None,
         split = -(-k // per)
         even_k = k % block_k == 0
         if cfg.kind == "gemv":
-            rows = triton.cdiv(n, cfg.block_n)
-            _gemv_kernel[(rows, split)](
-                x2, data, scale, minimum, bias, out, part, _gemv_counters(x.device, rows, split, out), nw, res, norm_eps, n, k, per, split,
-                data.stride(0), scale.stride(0) if fmt else 0, FORMAT=fmt, HAS_BIAS=w.bias is not None,
-                SPLIT=split > 1, EVEN_K=even_k, GROUP_SIZE=max(w.group_size, 1), ROWS=cfg.block_n, BLOCK_K=block_k,
+            _gemv_kernel[(programs, split)](
+                x2, data, scale, minimum, bias, out, part, _gemv_counters(x.device, programs, split, out), nw, res,
+                norm_eps, n, k, per, split, data.stride(0), scale.stride(0) if fmt else 0, FORMAT=fmt,
+                HAS_BIAS=w.bias is not None, SPLIT=split > 1, EVEN_K=even_k, GROUP_SIZE=max(w.group_size, 1),
+                ROWS=rows_per_program, BLOCK_K=block_k,
                 VEC=16 // data.element_size(), RESIDUAL=res2 is not None, **fused, ASM=asm_conversions(x.device),
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(x.device))
         else:
@@ -710,4 +771,4 @@ def linear(x: torch.Tensor, w: LinearWeight, config: LinearConfig | None = None,
                 _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
                     part, bias, res, out, m * n, n, split, HAS_BIAS=w.bias is not None, RESIDUAL=res2 is not None,
                     BLOCK=block, **pdl_launch(x.device))
-    return out.reshape(*lead, n)
+    return out.reshape(*lead, out.shape[-1])

@@ -10,7 +10,7 @@ from .triton_kv import rope_write_kv, write_kv
 from .triton_linear import linear
 from .triton_norm import rms_norm
 from .triton_rope import rope
-from .triton_sampling import sample
+from .triton_sampling import argmax, sample
 
 __all__ = ["linear", "rms_norm", "rope", "silu_and_mul", "write_kv", "rope_write_kv", "attention_decode",
-           "attention_prefill", "sample"]
+           "attention_prefill", "argmax", "sample"]

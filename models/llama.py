@@ -81,8 +81,9 @@ class LlamaModel:
                 attn = kernels.attention_prefill(q, kv.k[i], kv.v[i], meta.block_tables, meta.cu_seqlens_q,
                                                  meta.context_lens, self.scale, k_scale, v_scale)
             residual = kernels.linear(attn.reshape(-1, cfg.q_size), layer.o, residual=residual)
-            gate_up = kernels.linear(residual, layer.gate_up, norm_weight=layer.post_norm, norm_eps=eps)
-            residual = kernels.linear(gate_up, layer.down, silu_mul=True, residual=residual)
+            act = kernels.linear(residual, layer.gate_up, norm_weight=layer.post_norm, norm_eps=eps,
+                                 silu_mul_out=True)
+            residual = kernels.linear(act, layer.down, residual=residual)
         out, _ = kernels.rms_norm(residual, self.weights.final_norm, eps)
         return out
 

@@ -178,9 +178,9 @@ def test_linear_is_deterministic() -> None:
 @pytest.mark.parametrize("rows", [1, 8])
 @pytest.mark.parametrize("n,k", [(576, 1536), (2048, 8192), (4096, 4096)])
 def test_linear_fused_forms(n: int, k: int, rows: int, fmt: str, dtype: torch.dtype) -> None:
-    """RMSNorm in, silu(gate) * up in, residual add out, at decode shapes (split over K by the last
-    split of each row block, small N; whole rows, large N): the composed reference ops' values,
-    deterministic, and the arrival counters back at zero."""
+    """RMSNorm in, silu(gate) * up in, residual add out, RMSNorm in with silu(gate) * up out, at decode
+    shapes (split over K by the last split of each row block, small N; whole rows, large N): the
+    composed reference ops' values, deterministic, and the arrival counters back at zero."""
     from edged.kernels.triton_counters import split_counters
 
     torch.manual_seed(n + k + rows)
@@ -189,10 +189,11 @@ def test_linear_fused_forms(n: int, k: int, rows: int, fmt: str, dtype: torch.dt
     residual = torch.randn(rows, n, device=DEV).to(dtype)
     cases = [(torch.randn(rows, k, device=DEV).to(dtype), dict(norm_weight=norm_w, norm_eps=1e-5)),
              (torch.randn(rows, 2 * k, device=DEV).to(dtype), dict(silu_mul=True, residual=residual)),
-             (torch.randn(rows, k, device=DEV).to(dtype), dict(residual=residual))]
-    for x, kw in cases:
-        got = ops.linear(x, w, **kw)
-        assert torch.equal(ops.linear(x, w, **kw), got)
+             (torch.randn(rows, k, device=DEV).to(dtype), dict(residual=residual)),
+             (torch.randn(rows, k, device=DEV).to(dtype), dict(norm_weight=norm_w, norm_eps=1e-5, silu_mul_out=True))]
+    for (x, kw), fuse in [(case, None) for case in cases] + [(cases[-1], True)]:  # silu out fused at any size
+        got = ops.linear(x, w, **kw, fuse_input=fuse)
+        assert torch.equal(ops.linear(x, w, **kw, fuse_input=fuse), got)
         assert rel_err(got, reference.linear(x.float(), w, **{key: (v.float() if torch.is_tensor(v) else v)
                                                               for key, v in kw.items()})) < REL[dtype], kw.keys()
         assert int(split_counters(DEV).abs().sum()) == 0
@@ -329,6 +330,18 @@ def test_attention_decode_batch32_ctx1024() -> None:
     lens = torch.tensor(ctx, dtype=torch.int32, device=DEV)
     want = reference.attention_decode(q.float(), kc.float(), vc.float(), tables, lens, 128 ** -0.5)
     assert rel_err(ops.attention_decode(q, kc, vc, tables, lens, 128 ** -0.5), want) < REL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("vocab", [49152, 128256, 151936])
+def test_argmax_equals_torch_argmax(vocab: int) -> None:
+    """Greedy tokens of 1 and 64 rows, a tie across pieces resolved to the lowest index."""
+    from edged.kernels.triton_counters import split_counters
+
+    x = torch.randn(64, vocab, device=DEV)
+    x[5, vocab - 1] = x[5, 100] = 30.0
+    for rows in (1, 64):
+        assert torch.equal(tsamp.argmax(x[:rows]), x[:rows].argmax(dim=-1))
+    assert int(split_counters(DEV).abs().sum()) == 0
 
 
 @pytest.mark.parametrize("batch", [1, 5])

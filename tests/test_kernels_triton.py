@@ -232,7 +232,8 @@ def test_linear_matmul_split_and_3d(fmt: str) -> None:
 
 
 _FUSED_FORMS = {"norm": dict(norm=True), "silu": dict(silu_mul=True), "residual": dict(residual=True),
-                "silu+residual": dict(silu_mul=True, residual=True)}
+                "silu+residual": dict(silu_mul=True, residual=True), "silu out": dict(silu_mul_out=True),
+                "norm+silu out": dict(norm=True, silu_mul_out=True)}
 
 
 _GEMV, _MATMUL = ("gemv", 1, 4, 32, 3), ("matmul", 16, 32, 32, 2)
@@ -242,20 +243,26 @@ _GEMV, _MATMUL = ("gemv", 1, 4, 32, 3), ("matmul", 16, 32, 32, 2)
                          [(fmt, form, torch.float16, 1, _GEMV) for fmt in ("dense", "w8", "w4") for form in _FUSED_FORMS]
                          + [("w4", "norm", torch.float32, 1, _GEMV), ("w8", "silu+residual", torch.float32, 1, _GEMV)]
                          + [("w4", "silu+residual", torch.float16, 1, ("gemv", 1, 2, 64, 2))]  # 2 rows a program
+                         + [(fmt, "norm+silu out", torch.float16, 1, cfg) for fmt in ("w8", "w4")
+                            for cfg in (("gemv", 1, 2, 64, 2), ("gemv", 1, 1, 32, 1))]  # 1 row: runs as 2
                          + [(fmt, "residual", torch.float16, 6, _MATMUL) for fmt in ("w8", "w4")]
-                         + [("w8", "silu+residual", torch.float32, 6, _MATMUL), ("w4", "norm", torch.float16, 6, _MATMUL)])
+                         + [("w8", "silu+residual", torch.float32, 6, _MATMUL), ("w4", "norm", torch.float16, 6, _MATMUL)]
+                         + [("w8", "silu out", torch.float16, 6, _MATMUL)])
 def test_linear_fused_forms_equal_the_composed_ops(fmt: str, form: str, rows: int, cfg, dtype: torch.dtype) -> None:
-    """RMSNorm in, silu(gate) * up in, the residual add out: the same values as reference.linear's
-    composition of the separate ops (each rounded to the activation dtype), split or not, and a split
-    launch leaves its arrival counters at zero and repeats bit for bit."""
+    """RMSNorm in, silu(gate) * up in, the residual add out, silu(gate) * up out: the same values as
+    reference.linear's composition of the separate ops (each rounded to the activation dtype), split or
+    not, and a split launch leaves its arrival counters at zero and repeats bit for bit."""
     from edged.kernels.triton_counters import split_counters
 
     torch.manual_seed(len(form) * 7 + rows)
-    k, n = 64, 12  # two w4 groups; the GEMV config below splits K in two; three row blocks of 4
-    w = _weight(fmt, n, k, dtype, bias=True)
     spec = _FUSED_FORMS[form]
+    gated = spec.get("silu_mul_out", False)
+    # two w4 groups; the GEMV config below splits K in two; three row blocks of 4; gated: 7 outputs,
+    # so the last program of two outputs has one
+    k, n = 64, (14 if gated else 12)
+    w = _weight(fmt, n, k, dtype, bias=True)
     x = torch.randn(rows, 2 * k if spec.get("silu_mul") else k).to(dtype)
-    kw = dict(silu_mul=spec.get("silu_mul", False))
+    kw = dict(silu_mul=spec.get("silu_mul", False), silu_mul_out=gated)
     if spec.get("norm"):
         kw.update(norm_weight=(1.0 + 0.3 * torch.randn(k)).to(dtype), norm_eps=1e-5)
     if spec.get("residual"):
@@ -264,12 +271,30 @@ def test_linear_fused_forms_equal_the_composed_ops(fmt: str, form: str, rows: in
     got = tlin.linear(x, w, config, **kw)
     again = tlin.linear(x, w, config, **kw)
     want = reference.linear(x, w, **kw)
-    assert got.shape == want.shape == (rows, n) and got.dtype == dtype
+    assert got.shape == want.shape == (rows, n // 2 if gated else n) and got.dtype == dtype
     assert torch.equal(got, again)
     assert int(split_counters(x.device).abs().sum()) == 0
     scale = want.float().abs().max().item()
     tol = 8e-3 if dtype == torch.float16 else 2e-5
     assert (got.float() - want.float()).abs().max().item() <= tol * scale, (got, want)
+
+
+@pytest.mark.parametrize("vocab", [1, 37, 4096, 10000])
+def test_argmax_takes_the_first_index_of_each_rows_maximum(vocab: int) -> None:
+    """Many pieces a row (10000: three of 4096), ties across and inside pieces go to the lowest index,
+    a NaN wins as in torch.argmax, and the arrival counters end at zero."""
+    from edged.kernels.triton_counters import split_counters
+
+    torch.manual_seed(vocab)
+    x = torch.randn(4, vocab)
+    if vocab > 1:
+        x[1, vocab - 1] = x[1, vocab // 3] = 50.0  # a tie across pieces
+        x[2, 1] = x[2, 0] = 50.0  # a tie inside one piece
+        x[3, vocab // 2] = float("nan")
+    got = tsamp.argmax(x)
+    assert torch.equal(got, x.argmax(dim=-1)) and got.dtype == torch.int64
+    assert torch.equal(ops.argmax(x[:, :vocab]), reference.argmax(x))
+    assert int(split_counters(x.device).abs().sum()) == 0
 
 
 # ------------------------------------------------------------------------------------- norm and friends

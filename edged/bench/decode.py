@@ -17,6 +17,7 @@ from typing import Callable
 
 import torch
 
+from edged.kernels import argmax
 from edged.engine.cuda_graphs import DecodeGraphs
 from edged.models.batch import KVCache
 from edged.models.config import MODEL_SHAPES, ModelConfig
@@ -91,7 +92,7 @@ def step_kernels(graphs: DecodeGraphs, batch: int) -> tuple[int | None, float | 
 
     def step(m: LlamaModel) -> None:
         hidden = m.forward(graphs.input_ids[:batch], graphs.positions[:batch], graphs._meta(batch), graphs.kv)
-        m.logits(hidden).argmax(dim=-1)
+        argmax(m.logits(hidden))
 
     total = count_kernels(lambda: step(model))
     if total is None or layers < 2:
@@ -123,7 +124,7 @@ def time_decode(model: LlamaModel, batch: int, steps: int, dtype: torch.dtype,
         graphs.context_lens.fill_(pos + 1)
         graphs.slot_mapping.copy_(graphs.block_tables[rows, pos // BLOCK].long() * BLOCK + pos % BLOCK)
         graphs.graphs[batch].replay()
-        graphs.input_ids.copy_(graphs.logits[batch].argmax(dim=-1))  # greedy, as the runner: no host sync
+        graphs.input_ids.copy_(argmax(graphs.logits[batch]))  # greedy, as the runner: no host sync
 
     for i in range(3):
         step(i)

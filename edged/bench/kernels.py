@@ -95,7 +95,8 @@ def gemv_time(fmt: str, n: int, k: int, m: int = 1, dtype=torch.bfloat16, config
 def fused_times(fmt: str, n: int, k: int, dtype=torch.bfloat16, copies: int = 4) -> dict[str, float]:
     """Seconds per decode (M = 1) linear call in each fused form and as the separate kernels it
     replaces: plain; RMSNorm in (fused / rms_norm kernel + linear); silu(gate) * up in (fused /
-    silu_and_mul + linear); residual add out (fused / linear + add)."""
+    silu_and_mul + linear); residual add out (fused / linear + add); silu(gate) * up out, W's rows
+    being [gate | up] (fused / linear + silu_and_mul)."""
     ws = _weights(fmt, n, k, dtype, 32, copies)
     x = torch.randn(1, k, device=DEV).to(dtype)
     gu = torch.randn(1, 2 * k, device=DEV).to(dtype)
@@ -110,17 +111,21 @@ def fused_times(fmt: str, n: int, k: int, dtype=torch.bfloat16, copies: int = 4)
         "silu apart": lambda i=0: tlin.linear(ops.silu_and_mul(gu), w(i)),
         "residual fused": lambda i=0: tlin.linear(x, w(i), residual=res),
         "residual apart": lambda i=0: tlin.linear(x, w(i)) + res,
+        "silu out fused": lambda i=0: tlin.linear(x, w(i), silu_mul_out=True, fuse_input=True),
+        "silu out apart": lambda i=0: ops.silu_and_mul(tlin.linear(x, w(i))),
     }
     return {name: _graph_time(fn) for name, fn in forms.items()}
 
 
 def fused_report() -> None:
     """The fused decode GEMV forms against the separate kernels, at SmolLM2, Llama-3.2-1B and 8B shapes."""
-    names = ["plain", "norm fused", "norm apart", "silu fused", "silu apart", "residual fused", "residual apart"]
+    names = ["plain", "norm fused", "norm apart", "silu fused", "silu apart", "residual fused", "residual apart",
+             "silu out fused", "silu out apart"]
     print("decode linear (M = 1, bf16), us per call, fused forms against the separate kernels "
           f"(linear fuses its input below {tlin.FUSED_INPUT_MAX_WEIGHTS:,} weights)", flush=True)
     print(f"{'fmt':6}{'N x K':>13}" + "".join(f"{n:>16}" for n in names), flush=True)
-    for n, k in ((960, 576), (576, 1536), (3072, 2048), (2048, 8192), (6144, 4096), (4096, 14336)):
+    for n, k in ((960, 576), (576, 1536), (3072, 576), (3072, 2048), (2048, 8192), (16384, 2048), (6144, 4096),
+                 (4096, 14336), (28672, 4096)):
         for fmt in ("w8", "w4", "dense"):
             try:
                 t = fused_times(fmt, n, k)

@@ -113,7 +113,7 @@ class ModelRunner:
             logits = self.model.logits(hidden[self._tensor(rows, torch.int64)])
         sp = [s.request.sampling for s in sampled]
         if all(p.temperature <= 0 for p in sp):
-            tokens = logits.argmax(dim=-1)  # decided on the host: no device sync before the next launch
+            tokens = kernels.argmax(logits)  # decided on the host: no device sync before the next launch
         else:
             tokens = kernels.sample(
                 logits,
