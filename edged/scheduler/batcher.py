@@ -17,7 +17,7 @@ Each step, in this order, within those limits and the free KV blocks:
 
 1. every running sequence that is decoding gets its one token (most important tier first); a
    lower tier's decode waits a step when it would push the step past the bound, and, while the
-   protected tier decodes, past `pace_vs_alone` (1.75) times what a step of the protected tier's
+   protected tier decodes, past `pace_vs_alone` (1.6) times what a step of the protected tier's
    decodes alone takes (measured per batch size: step_stats.decode_step_s), so gold never decodes at
    bronze's pace however much slack its TPOT target leaves. A step in which the protected tier has a
    prompt to compute is its own: lower tiers' decodes and prompts wait, and its waiting requests
@@ -112,7 +112,7 @@ class Batcher:
                  step_stats: StepStats | None = None, board: TierBoard | None = None,
                  preemption: str = "recompute", urgency_fraction: float = 0.25, max_preemptions: int = 3,
                  policy: AdaptPolicy | None = None, step_fraction: float = 0.1, pace_fraction: float = 0.75,
-                 pace_vs_alone: float = 1.75, min_prefill_tokens: int = 8, in_use_s: float = 60.0) -> None:
+                 pace_vs_alone: float = 1.6, min_prefill_tokens: int = 8, in_use_s: float = 60.0) -> None:
         self.blocks = blocks
         self.limits = limits
         self.clock = clock
