@@ -133,7 +133,9 @@ def test_a_bronze_burst_does_not_slow_gold_and_is_refused_rather_than_served_lat
     # one gold first token at 3.1x: p90 of 8 is their slowest, and a bronze prompt step then overran
     # its 50 ms bound by up to 90%. So the test holds 3.5x for TTFT and 2.5x for the pace, which still
     # fails the behaviour it was written against (TTFT 40x, pace 20x). Since CPU steps give way to a
-    # gold arrival between layers, 15 runs gave 0.95-1.85x for TTFT and 1.42-2.15x for the pace.
+    # gold arrival between layers, 15 runs gave 0.95-1.85x for TTFT and 1.42-2.15x for the pace; with
+    # lower tiers' decodes kept within 1.6x of gold's own step (was 1.75x), 28 runs 0.82-1.44x and
+    # 1.29-1.83x.
     assert p90(gold_ttft) <= 3.5 * solo_ttft
     assert statistics.median(gold_tpot) <= 2.5 * solo_tpot
     # Bronze that could not meet its own target was refused with 429 and Retry-After, not served late.
