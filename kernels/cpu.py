@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from . import cpu_native
-from .reference import quantize_kv_int8
+from .reference import check_silu_mul_out, quantize_kv_int8
 from .reference import argmax as argmax  # noqa: PLC0414 - per-step ops: the reference is the implementation
 from .reference import sample as sample  # noqa: PLC0414
 from .weights import LinearWeight, dequantize
@@ -121,8 +121,8 @@ def linear(x: torch.Tensor, w: LinearWeight, out_dtype: torch.dtype | None = Non
            residual: torch.Tensor | None = None, silu_mul_out: bool = False) -> torch.Tensor:
     """y = x @ W^T + b, accumulated in fp32, returned in out_dtype (default: x's dtype); the fused
     forms of reference.linear run as this module's own ops in turn."""
-    if silu_mul_out and (residual is not None or w.out_features % 2):
-        raise ValueError("silu_mul_out needs an even out_features and no residual")
+    if silu_mul_out:
+        check_silu_mul_out(w, residual)
     if norm_weight is not None:
         x, _ = rms_norm(x, norm_weight, norm_eps)
     if silu_mul:

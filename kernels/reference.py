@@ -34,8 +34,8 @@ def linear(x: torch.Tensor, w: LinearWeight, out_dtype: torch.dtype | None = Non
     is rms_norm(x, norm_weight, norm_eps); silu_mul, it is silu_and_mul(x) (x holds 2 * in_features);
     residual, the result is y + residual (the residual stream's add, rounded once more);
     silu_mul_out, the result is silu_and_mul(y) (W's rows are [gate | up]; no residual with it)."""
-    if silu_mul_out and (residual is not None or w.out_features % 2):
-        raise ValueError("silu_mul_out needs an even out_features and no residual")
+    if silu_mul_out:
+        check_silu_mul_out(w, residual)
     if norm_weight is not None:
         x, _ = rms_norm(x, norm_weight, norm_eps)
     if silu_mul:
@@ -45,6 +45,12 @@ def linear(x: torch.Tensor, w: LinearWeight, out_dtype: torch.dtype | None = Non
     if silu_mul_out:
         return silu_and_mul(y)
     return y if residual is None else y + residual
+
+
+def check_silu_mul_out(w: LinearWeight, residual: torch.Tensor | None) -> None:
+    """linear's silu_mul_out needs [gate | up] rows (an even count) and no residual add."""
+    if residual is not None or w.out_features % 2:
+        raise ValueError("silu_mul_out needs an even out_features and no residual")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -34,6 +34,7 @@ from .triton_convert import asm_conversions, nibbles_to_f32_asm, small_uint_to_f
 from .triton_activation import silu_and_mul
 from .triton_counters import arrive, check_groups, split_counters
 from .triton_norm import rms_norm
+from .reference import check_silu_mul_out
 from .triton_pdl import pdl_begin, pdl_launch
 from .weights import LinearWeight
 
@@ -669,8 +670,8 @@ def linear(x: torch.Tensor, w: LinearWeight, config: LinearConfig | None = None,
     several rows run the norm and the SiLUs as their own kernels (the matmul adds the residual).
     fuse_input overrides the size rule for the norm and the SiLUs of a single row (benchmarks)."""
     out_dtype = out_dtype or x.dtype
-    if silu_mul_out and (residual is not None or w.out_features % 2):
-        raise ValueError("silu_mul_out needs an even out_features and no residual")
+    if silu_mul_out:
+        check_silu_mul_out(w, residual)
     k = w.in_features
     n = w.out_features
     lead = x.shape[:-1]

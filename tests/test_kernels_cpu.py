@@ -96,6 +96,23 @@ def test_linear_takes_any_leading_dimensions(kind: str, impl: str) -> None:
     close(got, reference.linear(x, w), FP32_ORDER if impl == "native" or not kind.startswith("w4") else 2e-2)
 
 
+@pytest.mark.parametrize("kind", ["dense", "w8", "w4-g32"])
+def test_linear_with_silu_mul_out_is_linear_then_silu_and_mul_and_refuses_what_it_cannot_be(kind: str) -> None:
+    """A [gate | up] projection's silu(gate) * up; an odd number of rows or a residual add is a clear
+    ValueError in every implementation, not a wrong shape."""
+    w = weights(kind, 72, 128)
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(29))
+    got = cpu.linear(x, w, silu_mul_out=True)
+    assert got.shape == (3, 36) and torch.equal(got, cpu.silu_and_mul(cpu.linear(x, w)))
+    assert torch.equal(reference.linear(x, w, silu_mul_out=True), reference.silu_and_mul(reference.linear(x, w)))
+    odd = weights(kind, 71, 128)
+    for impl in (cpu.linear, reference.linear):
+        with pytest.raises(ValueError, match="silu_mul_out"):
+            impl(x, odd, silu_mul_out=True)
+        with pytest.raises(ValueError, match="silu_mul_out"):
+            impl(x, w, silu_mul_out=True, residual=torch.zeros(3, 72))
+
+
 @pytest.mark.parametrize("kind", ["dense", "w8", "w8-q4_1", "w4-g32", "w4-q4_1"])
 def test_linear_in_bfloat16_rounds_once_and_logits_come_out_in_float32(kind: str) -> None:
     w = weights(kind, 64, 128)
