@@ -1,13 +1,16 @@
-"""Exact integer -> float conversions for the Triton kernels, without the integer-to-float unit.
+"""Integer -> float conversions for the Triton kernels, without the integer-to-float unit.
 
-On Hopper that unit converts 16 values per clock per SM: at HBM speed an int8 GEMV needs more. These
-set the integer as the mantissa of a power of two (one logic op) and subtract it (one float op).
+On Hopper that unit converts 16 values per clock per SM: at HBM speed a quantized GEMV needs more.
+These set the integer as the mantissa of a power of two (one logic op) and subtract it (one float op).
 
-The `*_asm` forms do the same with one PRMT a byte (which also ORs in the exponent) on sm_80 and later:
-a decode GEMV issues about six instructions a weight in the portable form, two of them to isolate a
-byte, and is bound by that issue rate rather than by HBM. Inline PTX does not run in the Triton
-interpreter, so kernels take them only where `asm_conversions(device)` says so; both forms give the
-same floats, bit for bit.
+The decode GEMV goes further and skips the subtraction: its weights become floats "magic + q" whose
+integer sits as high under the exponent as a byte or nibble can (32768 + q for a byte on bits 8-15,
+128 + q / 2048 + q for a nibble on bits 16-19 / 12-15), the kernel taking magic * sum(x) off once a
+chunk. The `*_asm` forms build them with one PRMT for every four bytes' placement on sm_80 and later,
+about 1 (w8) or 1.5 (w4) instructions a weight before its FMA where the conversion and subtraction
+took 2 to 2.5, and the GEMV was bound by that issue rate rather than by HBM. Inline PTX does not run
+in the Triton interpreter, so kernels take them only where `asm_conversions(device)` says so; the
+portable forms (`magic_u8_f32`, `magic_nibbles_f32`) give the same floats, bit for bit.
 """
 from __future__ import annotations
 
@@ -38,54 +41,59 @@ def small_uint_to_f32(q):
 
 
 @triton.jit
-def u8_to_f32_asm(q):
-    """uint8 -> float32, as small_uint_to_f32(q): byte i of each 4-byte register moved under the
-    exponent of 2**23 by one prmt (selector 0x765i: the byte, two zero bytes, 0x4B), then 2**23
-    subtracted."""
-    return tl.inline_asm_elementwise(
-        asm="""{
-        .reg .b32 m;
-        mov.b32 m, 0x4B000000;
-        prmt.b32 $0, $4, m, 0x7650;
-        prmt.b32 $1, $4, m, 0x7651;
-        prmt.b32 $2, $4, m, 0x7652;
-        prmt.b32 $3, $4, m, 0x7653;
-        sub.f32 $0, $0, 0f4B000000;
-        sub.f32 $1, $1, 0f4B000000;
-        sub.f32 $2, $2, 0f4B000000;
-        sub.f32 $3, $3, 0f4B000000;
-        }""",
-        constraints="=r,=r,=r,=r,r", args=[q], dtype=tl.float32, is_pure=True, pack=4)
+def magic_u8_f32(q):
+    """uint8 -> the float32 32768 + q: the byte on bits 8-15 under the exponent of 2**15."""
+    return (((q.to(tl.int32) & 0xFF) << 8) | 0x47000000).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def nibbles_to_f32_asm(b):
-    """uint8 holding two nibbles -> (low nibble, 16 * high nibble) as float32, as small_uint_to_f32(b &
-    0x0F) and small_uint_to_f32(b & 0xF0): one prmt a byte (as u8_to_f32_asm), two ands keeping
-    the exponent and one nibble each, two subtractions."""
+def magic_nibbles_f32(b):
+    """uint8 holding two nibbles -> (128 + low nibble, 2048 + high nibble) as float32: each nibble on
+    bits 16-19 (low) or 12-15 (high) under an exponent that makes that field the float's units."""
+    bi = b.to(tl.int32)
+    lo = (((bi & 0x0F) << 16) | 0x43000000).to(tl.float32, bitcast=True)
+    hi = (((bi & 0xF0) << 8) | 0x45000000).to(tl.float32, bitcast=True)
+    return lo, hi
+
+
+@triton.jit
+def magic_nibbles_f32_asm(b):
+    """magic_nibbles_f32, bit for bit: four bytes come as one word, placed four ways by one prmt each
+    (in place, 8 bits left and right, rotated 16; the byte 0x47 on top holds both exponents), which
+    puts every nibble on bits 12-15 (high nibbles) or 16-19 (low); one and then keeps a nibble's
+    field and its exponent, 0x45 (2048) or 0x43 (128). No subtraction: the kernel takes the constants
+    off once a chunk."""
     return tl.inline_asm_elementwise(
         asm="""{
-        .reg .b32 m, t0, t1, t2, t3;
-        mov.b32 m, 0x4B000000;
-        prmt.b32 t0, $8, m, 0x7650;
-        prmt.b32 t1, $8, m, 0x7651;
-        prmt.b32 t2, $8, m, 0x7652;
-        prmt.b32 t3, $8, m, 0x7653;
-        and.b32 $0, t0, 0x4B00000F;
-        and.b32 $1, t1, 0x4B00000F;
-        and.b32 $2, t2, 0x4B00000F;
-        and.b32 $3, t3, 0x4B00000F;
-        and.b32 $4, t0, 0x4B0000F0;
-        and.b32 $5, t1, 0x4B0000F0;
-        and.b32 $6, t2, 0x4B0000F0;
-        and.b32 $7, t3, 0x4B0000F0;
-        sub.f32 $0, $0, 0f4B000000;
-        sub.f32 $1, $1, 0f4B000000;
-        sub.f32 $2, $2, 0f4B000000;
-        sub.f32 $3, $3, 0f4B000000;
-        sub.f32 $4, $4, 0f4B000000;
-        sub.f32 $5, $5, 0f4B000000;
-        sub.f32 $6, $6, 0f4B000000;
-        sub.f32 $7, $7, 0f4B000000;
+        .reg .b32 k, t0, tl, tr, tq;
+        mov.b32 k, 0x47;
+        prmt.b32 t0, $8, k, 0x4210;
+        prmt.b32 tl, $8, k, 0x4100;
+        prmt.b32 tr, $8, k, 0x4321;
+        prmt.b32 tq, $8, k, 0x4032;
+        and.b32 $0, tq, 0x430F0000;
+        and.b32 $1, tl, 0x430F0000;
+        and.b32 $2, t0, 0x430F0000;
+        and.b32 $3, tr, 0x430F0000;
+        and.b32 $4, tl, 0x4500F000;
+        and.b32 $5, t0, 0x4500F000;
+        and.b32 $6, tr, 0x4500F000;
+        and.b32 $7, tq, 0x4500F000;
         }""",
         constraints="=r,=r,=r,=r,=r,=r,=r,=r,r", args=[b], dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
+
+
+@triton.jit
+def magic_u8_f32_asm(q):
+    """magic_u8_f32, bit for bit: one prmt a byte puts it on bits 8-15 under the byte 0x47 (the
+    exponent of 2**15) and zeros elsewhere."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 k;
+        mov.b32 k, 0x47;
+        prmt.b32 $0, $4, k, 0x4505;
+        prmt.b32 $1, $4, k, 0x4515;
+        prmt.b32 $2, $4, k, 0x4525;
+        prmt.b32 $3, $4, k, 0x4535;
+        }""",
+        constraints="=r,=r,=r,=r,r", args=[q], dtype=tl.float32, is_pure=True, pack=4)

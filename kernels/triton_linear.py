@@ -5,9 +5,10 @@ Paths, by the number of rows M of x:
   tile, optionally split over K (partials in float32, summed in split order by the last split of
   each row block to arrive: deterministic, one launch; kernels/triton_counters.py). This is the
   memory-bound path that must run at DRAM bandwidth. A w8 / w4 chunk (16 weights of one group) is
-  reduced in float32 as scale * sum(x * q) + minimum * sum(x), q exact as a float: one FMA a weight,
-  one accumulator a chunk (sum(x) once for all rows of the program); on sm_80+ the bytes become
-  floats through inline PTX (kernels/triton_convert.py: same floats, fewer instructions). Small
+  reduced in float32 as scale * sum(x * q) + minimum * sum(x): one FMA a weight, one accumulator a
+  chunk (sum(x) once for all rows of the program), q read as the float "magic + q" that a byte or
+  nibble makes under an exponent, the constant taken off once a chunk (kernels/triton_convert.py;
+  on sm_80+ through inline PTX, the same floats in fewer instructions). Small
   GEMVs also take the RMSNorm or the SiLU of their input in their prologue, or (a [gate | up] weight)
   make silu(gate) * up in their epilogue, each program taking gate rows and the matching up rows;
   every GEMV can add the residual in its epilogue.
@@ -30,7 +31,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .triton_convert import asm_conversions, nibbles_to_f32_asm, small_uint_to_f32, u8_to_f32_asm
+from .triton_convert import (asm_conversions, magic_nibbles_f32, magic_nibbles_f32_asm, magic_u8_f32,
+                             magic_u8_f32_asm, small_uint_to_f32)
 from .triton_activation import silu_and_mul
 from .triton_counters import arrive, check_groups, split_counters
 from .triton_norm import rms_norm
@@ -178,12 +180,18 @@ def _chunk_dot(q0, q1, q2, q3, x0, x1, x2, x3):
 
 
 @triton.jit
-def _dot_row(acc, row_ptr, s_row_ptr, m_row_ptr, k, grp, x0, x1, x2, x3, xsum, km, cm, FORMAT: tl.constexpr,
-             EVEN_K: tl.constexpr, C: tl.constexpr, VEC: tl.constexpr, ASM: tl.constexpr):
+def _dot_row(acc, row_ptr, s_row_ptr, m_row_ptr, k, grp, x0, x1, x2, x3, xsum, magic_xsum, km, cm,
+             FORMAT: tl.constexpr, EVEN_K: tl.constexpr, C: tl.constexpr, VEC: tl.constexpr, ASM: tl.constexpr,
+             EXACT: tl.constexpr):
     """acc [chunks] += the dot of one weight row's chunks with x (x0..x3: its quarters). A w8 chunk lies
     in one group, so sum(x * (q * scale + minimum)) is computed as scale * sum(x * q) + minimum * sum(x)
     (xsum: the chunk sums of x, shared by every row): one FMA a weight instead of two, and one
-    accumulator a chunk instead of one a column, which leaves registers for more loads in flight."""
+    accumulator a chunk instead of one a column, which leaves registers for more loads in flight.
+    q comes as the float 32768 + q (ASM: magic_u8_f32_asm, one prmt a byte), its constant taken off
+    once a chunk (magic_xsum = 32768 * xsum): no conversion or subtraction a weight. The constant is
+    ~256x a typical q, so the chunk dot keeps ~16 of float32's 24 bits: below half an ulp of a
+    half-precision result (fp16 results equal or one ulp apart). Float32 activations or results
+    (EXACT: the logits) take it off each weight instead (exact; one add a weight)."""
     if EVEN_K:
         wv = tl.load(row_ptr + k, eviction_policy="evict_first")
     else:
@@ -196,11 +204,13 @@ def _dot_row(acc, row_ptr, s_row_ptr, m_row_ptr, k, grp, x0, x1, x2, x3, xsum, k
             s = tl.load(s_row_ptr + grp, mask=cm, other=0.0).to(tl.float32)
             mn = tl.load(m_row_ptr + grp, mask=cm, other=0.0).to(tl.float32)
         if ASM:
-            q = u8_to_f32_asm(wv)
+            q = magic_u8_f32_asm(wv)
         else:
-            q = small_uint_to_f32(wv.to(tl.int32))
+            q = magic_u8_f32(wv)
+        if EXACT:
+            q -= 32768.0
         q0, q1, q2, q3 = _quarters(q, C, VEC)
-        return acc + _chunk_dot(q0, q1, q2, q3, x0, x1, x2, x3) * s + xsum * mn
+        return acc + (_chunk_dot(q0, q1, q2, q3, x0, x1, x2, x3) - magic_xsum) * s + xsum * mn
     else:
         w0, w1, w2, w3 = _quarters(wv.to(tl.float32), C, VEC)
         return acc + _chunk_dot(w0, w1, w2, w3, x0, x1, x2, x3)
@@ -211,7 +221,8 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr, 
                  N, K, k_per_split, num_splits, stride_wn, stride_sn, FORMAT: tl.constexpr, HAS_BIAS: tl.constexpr,
                  SPLIT: tl.constexpr, EVEN_K: tl.constexpr, GROUP_SIZE: tl.constexpr, ROWS: tl.constexpr,
                  BLOCK_K: tl.constexpr, VEC: tl.constexpr, NORM: tl.constexpr, SILU: tl.constexpr,
-                 RESIDUAL: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr, GATED: tl.constexpr):
+                 RESIDUAL: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr, GATED: tl.constexpr,
+                 EXACT: tl.constexpr):
     """One row of x against ROWS (1, 2 or 4) rows of dense or w8 weights; program (row block, k split).
     Each step loads one [BLOCK_K // VEC, VEC] tile of x (a thread owns VEC consecutive columns, one
     16-byte weight load) and uses it for every weight row: x is read and converted once per ROWS
@@ -257,17 +268,18 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr, 
         if SILU:
             xv = _round_as(_silu_mul(xv, tl.load(x_ptr + K + k, mask=km, other=0.0).to(tl.float32)), dt)
         xsum = tl.sum(xv, axis=1)
+        magic_xsum = xsum * (0.0 if EXACT else 32768.0)
         x0, x1, x2, x3 = _quarters(xv, BLOCK_K // VEC, VEC)
         a0 = _dot_row(a0, r0, scale_ptr + i0 * stride_sn, min_ptr + i0 * stride_sn, k, grp, x0, x1, x2, x3,
-                      xsum, km, cm, FORMAT, EVEN_K, BLOCK_K // VEC, VEC, ASM)
+                      xsum, magic_xsum, km, cm, FORMAT, EVEN_K, BLOCK_K // VEC, VEC, ASM, EXACT)
         if ROWS > 1:
             a1 = _dot_row(a1, r1, scale_ptr + i1 * stride_sn, min_ptr + i1 * stride_sn, k, grp, x0, x1, x2, x3,
-                          xsum, km, cm, FORMAT, EVEN_K, BLOCK_K // VEC, VEC, ASM)
+                          xsum, magic_xsum, km, cm, FORMAT, EVEN_K, BLOCK_K // VEC, VEC, ASM, EXACT)
         if ROWS > 2:
             a2 = _dot_row(a2, r2, scale_ptr + i2 * stride_sn, min_ptr + i2 * stride_sn, k, grp, x0, x1, x2, x3,
-                          xsum, km, cm, FORMAT, EVEN_K, BLOCK_K // VEC, VEC, ASM)
+                          xsum, magic_xsum, km, cm, FORMAT, EVEN_K, BLOCK_K // VEC, VEC, ASM, EXACT)
             a3 = _dot_row(a3, r3, scale_ptr + i3 * stride_sn, min_ptr + i3 * stride_sn, k, grp, x0, x1, x2, x3,
-                          xsum, km, cm, FORMAT, EVEN_K, BLOCK_K // VEC, VEC, ASM)
+                          xsum, magic_xsum, km, cm, FORMAT, EVEN_K, BLOCK_K // VEC, VEC, ASM, EXACT)
     y = _rows_result(tl.sum(a0, axis=0), tl.sum(a1, axis=0), tl.sum(a2, axis=0), tl.sum(a3, axis=0))
     _gemv_store(y, n, N, pid_n, pid_k, num_splits, bias_ptr, out_ptr, part_ptr, counters_ptr, res_ptr, HAS_BIAS,
                 SPLIT, RESIDUAL, GATED, ROWS)
@@ -314,11 +326,15 @@ def _rms_inv_words(xw_ptr, KB, eps, X_KIND: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _dot_row_w4(acc, row_ptr, s_row_ptr, m_row_ptr, byte, grp, e0, e1, e2, e3, o0, o1, o2, o3, xsum, cm,
-                EVEN_K: tl.constexpr, C: tl.constexpr, ASM: tl.constexpr):
+def _dot_row_w4(acc, row_ptr, s_row_ptr, m_row_ptr, byte, grp, e0, e1, e2, e3, o0, o1, o2, o3, magic_xsum, xsum,
+                cm, EVEN_K: tl.constexpr, C: tl.constexpr, ASM: tl.constexpr, EXACT: tl.constexpr):
     """acc [chunks] += one w4 row's chunks against x, as _dot_row's w8: scale * sum(x * q) + minimum *
-    sum(x). The high nibble is taken in place as 16 * q (no shift), against o = x[odd] / 16; e0..e3
-    and o0..o3 are the quarters of x[even] and of x[odd] / 16."""
+    sum(x). A nibble comes as the float 128 + q (low) or 2048 + q (high), with no conversion or
+    subtraction (ASM: magic_nibbles_f32_asm, 1.5 instructions a weight before its FMA, against 2.5 for
+    q itself); the constants come off once a chunk, magic_xsum being 128 * sum(x[even]) + 2048 *
+    sum(x[odd]) (shared by every row). Bits 12-19 are the highest a nibble can sit under float32's
+    exponent; the constants, up to ~270x a typical q, leave the chunk dot ~16 bits, as in _dot_row,
+    and EXACT takes them off each weight instead. e0..e3, o0..o3: the quarters of x[even], x[odd]."""
     if EVEN_K:
         b = tl.load(row_ptr + byte, eviction_policy="evict_first")
         s = tl.load(s_row_ptr + grp).to(tl.float32)
@@ -328,15 +344,16 @@ def _dot_row_w4(acc, row_ptr, s_row_ptr, m_row_ptr, byte, grp, e0, e1, e2, e3, o
         s = tl.load(s_row_ptr + grp, mask=cm, other=0.0).to(tl.float32)
         mn = tl.load(m_row_ptr + grp, mask=cm, other=0.0).to(tl.float32)
     if ASM:
-        lo, hi16 = nibbles_to_f32_asm(b)
+        lo, hi = magic_nibbles_f32_asm(b)
     else:
-        bi = b.to(tl.int32)
-        lo = small_uint_to_f32(bi & 0x0F)
-        hi16 = small_uint_to_f32(bi & 0xF0)
+        lo, hi = magic_nibbles_f32(b)
+    if EXACT:
+        lo -= 128.0
+        hi -= 2048.0
     l0, l1, l2, l3 = _quarters(lo, C, 16)
-    h0, h1, h2, h3 = _quarters(hi16, C, 16)
+    h0, h1, h2, h3 = _quarters(hi, C, 16)
     dot = tl.sum(l0 * e0 + h0 * o0 + l1 * e1 + h1 * o1 + l2 * e2 + h2 * o2 + l3 * e3 + h3 * o3, axis=1)
-    return acc + dot * s + xsum * mn
+    return acc + (dot - magic_xsum) * s + xsum * mn
 
 
 @triton.jit
@@ -345,7 +362,7 @@ def _gemv_w4_kernel(xw_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_p
                     X_KIND: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
                     GROUP_SIZE: tl.constexpr, ROWS: tl.constexpr, BLOCK_KB: tl.constexpr, NORM: tl.constexpr,
                     SILU: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr,
-                    GATED: tl.constexpr):
+                    GATED: tl.constexpr, EXACT: tl.constexpr):
     """One row of x against ROWS (1, 2 or 4) rows of w4 weights (KB bytes a row), as _gemv_kernel.
     Tiles are [BLOCK_KB // 16, 16] bytes: a 16-byte chunk lies inside one group (groups are >= 16
     bytes), so it takes one scale and one minimum. x comes as words holding the pair
@@ -383,19 +400,29 @@ def _gemv_w4_kernel(xw_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_p
             ue, uo = _x_pairs(tl.load(xw_ptr + KB + byte, mask=cm[:, None], other=0), X_KIND)
             xe = _round_words(_silu_mul(xe, ue), X_KIND)
             xo = _round_words(_silu_mul(xo, uo), X_KIND)
-        xsum = tl.sum(xe + xo, axis=1)
+        even_sum = tl.sum(xe, axis=1)
+        odd_sum = tl.sum(xo, axis=1)
+        xsum = even_sum + odd_sum
+        if EXACT:  # _dot_row_w4 takes the constants off each weight
+            magic_xsum = xsum * 0.0
+        else:
+            magic_xsum = even_sum * 128.0 + odd_sum * 2048.0
         e0, e1, e2, e3 = _quarters(xe, BLOCK_KB // 16, 16)
-        o0, o1, o2, o3 = _quarters(xo * 0.0625, BLOCK_KB // 16, 16)  # exact: a power of two
+        o0, o1, o2, o3 = _quarters(xo, BLOCK_KB // 16, 16)
         a0 = _dot_row_w4(a0, w_ptr + i0 * stride_wn, scale_ptr + i0 * stride_sn, min_ptr + i0 * stride_sn,
-                         byte, grp, e0, e1, e2, e3, o0, o1, o2, o3, xsum, cm, EVEN_K, BLOCK_KB // 16, ASM)
+                         byte, grp, e0, e1, e2, e3, o0, o1, o2, o3, magic_xsum, xsum, cm, EVEN_K, BLOCK_KB // 16,
+                         ASM, EXACT)
         if ROWS > 1:
             a1 = _dot_row_w4(a1, w_ptr + i1 * stride_wn, scale_ptr + i1 * stride_sn, min_ptr + i1 * stride_sn,
-                             byte, grp, e0, e1, e2, e3, o0, o1, o2, o3, xsum, cm, EVEN_K, BLOCK_KB // 16, ASM)
+                             byte, grp, e0, e1, e2, e3, o0, o1, o2, o3, magic_xsum, xsum, cm, EVEN_K, BLOCK_KB // 16,
+                         ASM, EXACT)
         if ROWS > 2:
             a2 = _dot_row_w4(a2, w_ptr + i2 * stride_wn, scale_ptr + i2 * stride_sn, min_ptr + i2 * stride_sn,
-                             byte, grp, e0, e1, e2, e3, o0, o1, o2, o3, xsum, cm, EVEN_K, BLOCK_KB // 16, ASM)
+                             byte, grp, e0, e1, e2, e3, o0, o1, o2, o3, magic_xsum, xsum, cm, EVEN_K, BLOCK_KB // 16,
+                         ASM, EXACT)
             a3 = _dot_row_w4(a3, w_ptr + i3 * stride_wn, scale_ptr + i3 * stride_sn, min_ptr + i3 * stride_sn,
-                             byte, grp, e0, e1, e2, e3, o0, o1, o2, o3, xsum, cm, EVEN_K, BLOCK_KB // 16, ASM)
+                             byte, grp, e0, e1, e2, e3, o0, o1, o2, o3, magic_xsum, xsum, cm, EVEN_K, BLOCK_KB // 16,
+                         ASM, EXACT)
     y = _rows_result(tl.sum(a0, axis=0), tl.sum(a1, axis=0), tl.sum(a2, axis=0), tl.sum(a3, axis=0))
     _gemv_store(y, n, N, pid_n, pid_k, num_splits, bias_ptr, out_ptr, part_ptr, counters_ptr, res_ptr, HAS_BIAS,
                 SPLIT, RESIDUAL, GATED, ROWS)
@@ -604,18 +631,18 @@ def choose_config(m: int, n: int, k: int, fmt: str, device: torch.device) -> Lin
         return LinearConfig("matmul", block_m, 32, 64, split, num_warps=4, num_stages=1)
     if m == 1:
         # From the H200 sweeps over the SmolLM2 / 1B / 8B decode shapes (`edged bench kernels --sweep`;
-        # the last one after the GEMV moved to one accumulator a chunk, 2026-12-02): 4 weight rows a
-        # program (quantized: 2 in layers of at most 2048 x 2048, more programs for them), 1024 columns
-        # a step where rows are short (K <= 1024, else lanes idle), 2048 up to K = 4096, and whole
-        # 4096-column rows for w4 and for w8 layers of at most 8192 rows (8B w4 gate_up 39.3 -> 35.7
-        # us, w8 o 8.2 -> 7.2; the w8 lm_head measured 4% slower so). Split K only while the rows
-        # alone leave SMs idle.
+        # the last one after the weights became "magic + q" floats, 2026-12-02): 4 weight rows a
+        # program (quantized: 2 in layers of at most 2048 x 2048, and w8 layers of at most 8192 rows
+        # and K >= 4096: more programs for them; 8B w8 down 21.1 -> 18.1 us), 1024 columns a step
+        # where rows are short (K <= 1024, else lanes idle), 2048 from there, and 4096 for w4 rows
+        # longer than 4096 (the down projections) and w8 layers of more than 8192 rows (the 8B
+        # lm_head 160.7 -> 152.8 us). Split K only while the rows alone leave SMs idle.
         quantized = fmt in ("w4", "w8")
-        if quantized and k >= 4096 and (fmt == "w4" or n <= 8192):
+        if quantized and k >= 4096 and ((fmt == "w4" and k > 4096) or (fmt == "w8" and n > 8192)):
             block_k = 4096
         else:
             block_k = 2048 if quantized and k > 1024 else 1024
-        rows = 2 if quantized and n <= 2048 and k <= 2048 else 4
+        rows = 2 if quantized and n <= 2048 and k <= 2048 or fmt == "w8" and n <= 8192 and k >= 4096 else 4
         split = _pick_split(-(-n // rows), -(-k // block_k), 2 * sms, 2)
         return LinearConfig("gemv", 1, rows, block_k, split, num_warps=4, num_stages=1)
     if fmt == "dense":
@@ -721,6 +748,7 @@ def linear(x: torch.Tensor, w: LinearWeight, config: LinearConfig | None = None,
     res = res2 if res2 is not None else out
     nw = norm_weight.to(x.dtype).contiguous() if norm_weight is not None else out
     fused = dict(NORM=norm_weight is not None, SILU=silu_mul, GATED=silu_mul_out)
+    exact = x.dtype == torch.float32 or out_dtype == torch.float32  # the GEMVs' float32 precision
     split = max(1, cfg.split)
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
     if cfg.kind == "gemv" and cfg.block_n not in (1, 2, 4):
@@ -739,7 +767,7 @@ def linear(x: torch.Tensor, w: LinearWeight, config: LinearConfig | None = None,
             _x_words(nw) if norm_weight is not None else out, res, norm_eps, n, kb, per, split, data.stride(0),
             scale.stride(0), X_KIND=_X_KINDS[x.dtype], HAS_BIAS=w.bias is not None, SPLIT=split > 1,
             EVEN_K=kb % block_kb == 0, GROUP_SIZE=w.group_size, ROWS=rows_per_program, BLOCK_KB=block_kb,
-            RESIDUAL=res2 is not None, **fused, ASM=asm_conversions(x.device), num_warps=cfg.num_warps,
+            RESIDUAL=res2 is not None, **fused, ASM=asm_conversions(x.device), EXACT=exact, num_warps=cfg.num_warps,
             num_stages=cfg.num_stages, **pdl_launch(x.device))
     else:
         block_k = max(cfg.block_k, 32)
@@ -757,7 +785,7 @@ def linear(x: torch.Tensor, w: LinearWeight, config: LinearConfig | None = None,
                 HAS_BIAS=w.bias is not None, SPLIT=split > 1, EVEN_K=even_k, GROUP_SIZE=max(w.group_size, 1),
                 ROWS=rows_per_program, BLOCK_K=block_k,
                 VEC=16 // data.element_size(), RESIDUAL=res2 is not None, **fused, ASM=asm_conversions(x.device),
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(x.device))
+                EXACT=exact, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(x.device))
         else:
             tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
             _matmul_kernel[(tiles, split)](
