@@ -189,9 +189,9 @@ def _dot_row(acc, row_ptr, s_row_ptr, m_row_ptr, k, grp, x0, x1, x2, x3, xsum, m
     accumulator a chunk instead of one a column, which leaves registers for more loads in flight.
     q comes as the float 32768 + q (ASM: magic_u8_f32_asm, one prmt a byte), its constant taken off
     once a chunk (magic_xsum = 32768 * xsum): no conversion or subtraction a weight. The constant is
-    ~256x a typical q, so the chunk dot keeps ~16 of float32's 24 bits: below half an ulp of a
-    half-precision result (fp16 results equal or one ulp apart). Float32 activations or results
-    (EXACT: the logits) take it off each weight instead (exact; one add a weight)."""
+    ~256x a typical q, so the dot loses ~8 of float32's 24 bits: about 1/8 ulp of a bfloat16 result
+    (up to 2 ulps of a float16 one). So only bfloat16 takes it; float16, float32 and float32 results
+    (EXACT: the logits) take the constant off each weight instead (exact; one add a weight)."""
     if EVEN_K:
         wv = tl.load(row_ptr + k, eviction_policy="evict_first")
     else:
@@ -333,8 +333,8 @@ def _dot_row_w4(acc, row_ptr, s_row_ptr, m_row_ptr, byte, grp, e0, e1, e2, e3, o
     subtraction (ASM: magic_nibbles_f32_asm, 1.5 instructions a weight before its FMA, against 2.5 for
     q itself); the constants come off once a chunk, magic_xsum being 128 * sum(x[even]) + 2048 *
     sum(x[odd]) (shared by every row). Bits 12-19 are the highest a nibble can sit under float32's
-    exponent; the constants, up to ~270x a typical q, leave the chunk dot ~16 bits, as in _dot_row,
-    and EXACT takes them off each weight instead. e0..e3, o0..o3: the quarters of x[even], x[odd]."""
+    exponent; the constants, up to ~270x a typical q, cost the dot ~8 bits, as in _dot_row, and EXACT
+    takes them off each weight instead. e0..e3, o0..o3: the quarters of x[even], x[odd]."""
     if EVEN_K:
         b = tl.load(row_ptr + byte, eviction_policy="evict_first")
         s = tl.load(s_row_ptr + grp).to(tl.float32)
@@ -684,6 +684,13 @@ def _gemv_counters(device: torch.device, rows: int, split: int, unused: torch.Te
     return split_counters(device)
 
 
+def exact_gemv(x_dtype: torch.dtype, out_dtype: torch.dtype) -> bool:
+    """Does the decode GEMV take each weight's constant off (EXACT) rather than once a chunk? The
+    "magic + q" weights cost the dot about 2**-16 of its size: ~1/8 ulp of a bfloat16 result, up to 2
+    ulps of a float16 one; so everything but bfloat16 in and out (the logits are float32) is exact."""
+    return not (x_dtype == torch.bfloat16 and out_dtype == torch.bfloat16)
+
+
 def linear(x: torch.Tensor, w: LinearWeight, config: LinearConfig | None = None,
            out_dtype: torch.dtype | None = None, *, norm_weight: torch.Tensor | None = None,
            norm_eps: float = 0.0, silu_mul: bool = False, residual: torch.Tensor | None = None,
@@ -748,7 +755,7 @@ def linear(x: torch.Tensor, w: LinearWeight, config: LinearConfig | None = None,
     res = res2 if res2 is not None else out
     nw = norm_weight.to(x.dtype).contiguous() if norm_weight is not None else out
     fused = dict(NORM=norm_weight is not None, SILU=silu_mul, GATED=silu_mul_out)
-    exact = x.dtype == torch.float32 or out_dtype == torch.float32  # the GEMVs' float32 precision
+    exact = exact_gemv(x.dtype, out_dtype)
     split = max(1, cfg.split)
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
     if cfg.kind == "gemv" and cfg.block_n not in (1, 2, 4):
