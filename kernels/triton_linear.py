@@ -326,7 +326,7 @@ def _rms_inv_words(xw_ptr, KB, eps, X_KIND: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _dot_row_w4(acc, row_ptr, s_row_ptr, m_row_ptr, byte, grp, e0, e1, e2, e3, o0, o1, o2, o3, magic_xsum, xsum,
+def _dot_row_w4(acc, row_ptr, s_row_ptr, m_row_ptr, byte, grp, e0, e1, e2, e3, o0, o1, o2, o3, xsum, magic_xsum,
                 cm, EVEN_K: tl.constexpr, C: tl.constexpr, ASM: tl.constexpr, EXACT: tl.constexpr):
     """acc [chunks] += one w4 row's chunks against x, as _dot_row's w8: scale * sum(x * q) + minimum *
     sum(x). A nibble comes as the float 128 + q (low) or 2048 + q (high), with no conversion or
@@ -410,18 +410,18 @@ def _gemv_w4_kernel(xw_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_p
         e0, e1, e2, e3 = _quarters(xe, BLOCK_KB // 16, 16)
         o0, o1, o2, o3 = _quarters(xo, BLOCK_KB // 16, 16)
         a0 = _dot_row_w4(a0, w_ptr + i0 * stride_wn, scale_ptr + i0 * stride_sn, min_ptr + i0 * stride_sn,
-                         byte, grp, e0, e1, e2, e3, o0, o1, o2, o3, magic_xsum, xsum, cm, EVEN_K, BLOCK_KB // 16,
+                         byte, grp, e0, e1, e2, e3, o0, o1, o2, o3, xsum, magic_xsum, cm, EVEN_K, BLOCK_KB // 16,
                          ASM, EXACT)
         if ROWS > 1:
             a1 = _dot_row_w4(a1, w_ptr + i1 * stride_wn, scale_ptr + i1 * stride_sn, min_ptr + i1 * stride_sn,
-                             byte, grp, e0, e1, e2, e3, o0, o1, o2, o3, magic_xsum, xsum, cm, EVEN_K, BLOCK_KB // 16,
+                             byte, grp, e0, e1, e2, e3, o0, o1, o2, o3, xsum, magic_xsum, cm, EVEN_K, BLOCK_KB // 16,
                          ASM, EXACT)
         if ROWS > 2:
             a2 = _dot_row_w4(a2, w_ptr + i2 * stride_wn, scale_ptr + i2 * stride_sn, min_ptr + i2 * stride_sn,
-                             byte, grp, e0, e1, e2, e3, o0, o1, o2, o3, magic_xsum, xsum, cm, EVEN_K, BLOCK_KB // 16,
+                             byte, grp, e0, e1, e2, e3, o0, o1, o2, o3, xsum, magic_xsum, cm, EVEN_K, BLOCK_KB // 16,
                          ASM, EXACT)
             a3 = _dot_row_w4(a3, w_ptr + i3 * stride_wn, scale_ptr + i3 * stride_sn, min_ptr + i3 * stride_sn,
-                             byte, grp, e0, e1, e2, e3, o0, o1, o2, o3, magic_xsum, xsum, cm, EVEN_K, BLOCK_KB // 16,
+                             byte, grp, e0, e1, e2, e3, o0, o1, o2, o3, xsum, magic_xsum, cm, EVEN_K, BLOCK_KB // 16,
                          ASM, EXACT)
     y = _rows_result(tl.sum(a0, axis=0), tl.sum(a1, axis=0), tl.sum(a2, axis=0), tl.sum(a3, axis=0))
     _gemv_store(y, n, N, pid_n, pid_k, num_splits, bias_ptr, out_ptr, part_ptr, counters_ptr, res_ptr, HAS_BIAS,
