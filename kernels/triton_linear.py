@@ -618,10 +618,11 @@ def _pick_split(tiles: int, k_steps: int, target: int, min_steps: int) -> int:
     return max(1, min(want, k_steps // min_steps, 16))
 
 
-def choose_config(m: int, n: int, k: int, fmt: str, device: torch.device) -> LinearConfig:
+def choose_config(m: int, n: int, k: int, fmt: str, device: torch.device, sm_count: int | None = None) -> LinearConfig:
     """Shape heuristics (no autotuning: it must also run under the CPU interpreter). GPU numbers come
-    from sweeps on an H200 (`edged bench kernels --sweep`)."""
-    sms = _sm_count(device)
+    from sweeps on an H200 (`edged bench kernels --sweep`). sm_count: a CUDA device's SMs, given rather
+    than asked for (`edged bench sass` compiles for a GPU that is not there)."""
+    sms = sm_count or _sm_count(device)
     if device.type != "cuda":
         if m == 1:
             split = _pick_split(-(-n // 4), -(-k // 64), 2 * sms, 1)

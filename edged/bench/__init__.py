@@ -1,4 +1,4 @@
-"""`edged bench decode | engine | kernels | serve | transport | network | accuracy`: each kind in its own module, imported when run."""
+"""`edged bench decode | engine | kernels | sass | serve | transport | network | accuracy`: each kind in its own module, imported when run."""
 from __future__ import annotations
 
 import argparse
@@ -30,6 +30,10 @@ def run_bench_command(args: argparse.Namespace) -> int:
         from edged.bench.kernels import run_kernels_bench
 
         return run_kernels_bench(args)
+    if args.bench == "sass":
+        from edged.bench.sass import run_sass_bench
+
+        return run_sass_bench(args)
     if args.bench == "accuracy":
         from edged.bench.accuracy import run_accuracy_bench
 

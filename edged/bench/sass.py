@@ -1,0 +1,178 @@
+"""`edged bench sass`: the decode GEMV's inner loop as the GPU would run it, counted without a GPU.
+
+Triton compiles the M = 1 launch that `linear` would make for each decode shape (its launch rule, for an
+H200's 132 SMs) to SASS for sm_90 on this machine (Triton's own ptxas and nvdisasm), and this prints the
+instructions of the kernel's longest loop per weight it streams, and how many of them move data through
+shared memory or between threads (a layout conversion the loop should not have). A GEMV of this kind is
+bound by that issue rate once it is below HBM speed, so the count shows the effect of a kernel change
+before any device time is spent (docs/BENCHMARKS.md, issue 16).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from edged.kernels import triton_linear as tlin
+
+H200_SMS = 132
+SHARED_OR_SHUFFLE = ("BAR", "SHFL", "LDS", "STS", "STSM", "LDSM")
+
+
+@dataclass
+class LoopStats:
+    """The longest loop of a compiled kernel: its instructions, by opcode, and the weights an iteration of
+    one thread streams."""
+
+    instructions: int
+    opcodes: collections.Counter
+    weights_per_iteration: float
+
+    @property
+    def per_weight(self) -> float:
+        return self.instructions / self.weights_per_iteration
+
+    @property
+    def shared_or_shuffle(self) -> int:
+        return sum(self.opcodes[op] for op in SHARED_OR_SHUFFLE)
+
+
+def longest_loop(sass: str) -> list[str]:
+    """The instructions from a backward branch's target to the branch, for the longest such loop."""
+    labels: dict[str, int] = {}
+    instrs: list[tuple[int, str]] = []
+    pending: list[str] = []
+    for line in sass.splitlines():
+        label = re.match(r"\s*(\.L_x_\d+):", line)
+        if label:
+            pending.append(label.group(1))
+            continue
+        ins = re.search(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
+        if ins:
+            addr = int(ins.group(1), 16)
+            labels.update((p, addr) for p in pending)
+            pending = []
+            instrs.append((addr, ins.group(2).strip()))
+    best: list[str] = []
+    for addr, text in instrs:
+        branch = re.search(r"BRA\s+`\((\.L_x_\d+)\)", text)
+        if branch and labels.get(branch.group(1), addr + 1) <= addr:
+            body = [t for a, t in instrs if labels[branch.group(1)] <= a <= addr]
+            best = max(best, body, key=len)
+    return best
+
+
+def opcode(instruction: str) -> str:
+    return re.sub(r"^@!?U?P\w+\s+", "", instruction).split()[0].split(".")[0]
+
+
+def _signature(fn, pointers: dict[str, str], ints: dict[str, int], constexprs: dict[str, object]):
+    """Triton's signature, constexprs and argument attributes for a launch: pointers 16-byte aligned, and
+    what its JIT would note of each integer (divisible by 16), as for a real launch of these values."""
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name in pointers:
+            sig[name] = pointers[name]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name in ints:
+            sig[name] = "i32"
+            if ints[name] % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            sig[name] = "fp32"
+    return sig, {k: v for k, v in constexprs.items() if k in fn.arg_names}, attrs
+
+
+def gemv_loop(fmt: str, n: int, k: int, arch: int = 90) -> tuple[LoopStats, tlin.LinearConfig]:
+    """Compile the bf16 decode GEMV of an [n, k] w8 or w4 weight as `linear` launches it on an H200 and
+    count its K loop."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    cfg = tlin.choose_config(1, n, k, fmt, torch.device("cuda"), sm_count=H200_SMS)
+    common = dict(HAS_BIAS=False, SPLIT=cfg.split > 1, GROUP_SIZE=32, ROWS=cfg.block_n, NORM=False, SILU=False,
+                  RESIDUAL=False, PDL=arch >= 90, ASM=True, GATED=False, EXACT=False)
+    if fmt == "w4":
+        fn, block_kb, row = tlin._gemv_w4_kernel, max(16, cfg.block_k // 2), k // 2
+        constexprs = dict(common, X_KIND=0, EVEN_K=row % block_kb == 0, BLOCK_KB=block_kb)
+        pointers = {"xw_ptr": "*i32", "w_ptr": "*u8", "nw_ptr": "*i32"}
+        step, step_weights = block_kb, 2 * block_kb
+    elif fmt == "w8":
+        fn, row = tlin._gemv_kernel, k
+        constexprs = dict(common, FORMAT=1, EVEN_K=k % cfg.block_k == 0, BLOCK_K=cfg.block_k, VEC=16)
+        pointers = {"x_ptr": "*bf16", "w_ptr": "*u8", "nw_ptr": "*bf16"}
+        step = step_weights = cfg.block_k
+    else:
+        raise ValueError(f"edged bench sass counts the w8 and w4 GEMVs, not {fmt!r}")
+    per = -(-(-(-row // cfg.split)) // step) * step  # as linear() splits the row
+    ints = {"N": n, "K": k, "KB": row, "k_per_split": per, "kb_per_split": per, "num_splits": cfg.split,
+            "stride_wn": row, "stride_sn": k // 32}
+    pointers.update({"scale_ptr": "*fp16", "min_ptr": "*fp16", "bias_ptr": "*u8", "out_ptr": "*bf16",
+                     "part_ptr": "*fp32", "counters_ptr": "*i32", "res_ptr": "*bf16"})
+    sig, consts, attrs = _signature(fn, pointers, ints, constexprs)
+    compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+                              target=GPUTarget("cuda", arch, 32),
+                              options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+    nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    with _temp_cubin(compiled.asm["cubin"]) as path:
+        sass = subprocess.run([str(nvdisasm), "-c", path], capture_output=True, text=True, check=True).stdout
+    body = longest_loop(sass)
+    threads = 32 * cfg.num_warps
+    stats = LoopStats(len(body), collections.Counter(opcode(t) for t in body),
+                      cfg.block_n * step_weights / threads)
+    return stats, cfg
+
+
+class _temp_cubin:
+    def __init__(self, data: bytes) -> None:
+        import tempfile
+
+        self._file = tempfile.NamedTemporaryFile(suffix=".cubin")
+        self._file.write(data)
+        self._file.flush()
+
+    def __enter__(self) -> str:
+        return self._file.name
+
+    def __exit__(self, *exc: object) -> None:
+        self._file.close()
+
+
+def run_sass_bench(args: argparse.Namespace) -> int:
+    from .kernels import decode_shapes
+
+    shapes = decode_shapes()
+    wanted = [s.strip() for s in args.shapes.split(",")] if args.shapes else list(shapes)
+    unknown = [s for s in wanted if s not in shapes]
+    if unknown:
+        print(f"edged bench sass: unknown shapes {unknown}; known: {', '.join(shapes)}", file=sys.stderr)
+        return 2
+    print(f"decode GEMV (M = 1, bf16 x) compiled for sm_{args.arch}, as launched on an H200; its K loop per "
+          "thread and step")
+    print(f"{'shape':26} {'N x K':>14} {'fmt':4} {'rows':>4} {'cols':>5} {'instr':>6} {'/weight':>8} "
+          f"{'shared/shfl':>11}  top opcodes")
+    for name in wanted:
+        n, k = shapes[name]
+        for fmt in args.quant.split(","):
+            stats, cfg = gemv_loop(fmt, n, k, args.arch)
+            top = " ".join(f"{op} {c}" for op, c in stats.opcodes.most_common(5))
+            print(f"{name:26} {f'{n}x{k}':>14} {fmt:4} {cfg.block_n:>4} {cfg.block_k:>5} {stats.instructions:>6} "
+                  f"{stats.per_weight:>8.2f} {stats.shared_or_shuffle:>11}  {top}", flush=True)
+    return 0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--shapes", help="decode shapes by name, comma-separated, e.g. 'llama-3-8b gate_up' "
+                                         "(default: every linear of SmolLM2, Llama-3.2-1B and Llama-3-8B)")
+    parser.add_argument("--quant", default="w8,w4", help="weight formats: w8, w4 or both (default: w8,w4)")
+    parser.add_argument("--arch", type=int, default=90, help="the CUDA compute capability to compile for, "
+                                                             "as major * 10 + minor (default: 90, Hopper)")

@@ -1,0 +1,44 @@
+"""`edged bench sass`: the decode GEMV's K loop compiled for sm_90 on this (GPU-less) machine and counted.
+
+It guards what the H200 measurements rest on (docs/BENCHMARKS.md, issue 16): the loop streams weights
+without moving data through shared memory or between threads, and it takes the weights as "magic + q"
+floats (one prmt a byte for w8, 1.5 instructions a weight for w4) instead of converting and subtracting
+each one (4.8 instructions a weight at both formats before).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    pytest.skip("compiles for a GPU: not under the Triton interpreter", allow_module_level=True)
+
+from edged.bench.sass import gemv_loop  # noqa: E402
+
+
+@pytest.mark.parametrize("fmt,shape", [("w8", (28672, 4096)), ("w4", (4096, 14336))])
+def test_decode_gemv_loop_streams_weights_without_shuffles_under_4_5_instructions_a_weight(fmt, shape) -> None:
+    stats, cfg = gemv_loop(fmt, *shape)
+    assert cfg.kind == "gemv" and cfg.block_n == 4 and cfg.block_k == 4096  # the launch rule's whole rows
+    assert stats.weights_per_iteration == 4 * 4096 / (32 * cfg.num_warps)
+    assert stats.shared_or_shuffle == 0, stats.opcodes
+    # one FMA a weight; w8 one prmt a byte, w4 one prmt per two bytes and one and a nibble
+    assert stats.opcodes["FFMA"] >= 0.9 * stats.weights_per_iteration
+    prmt_per_weight = stats.opcodes["PRMT"] / stats.weights_per_iteration
+    assert prmt_per_weight >= (1.0 if fmt == "w8" else 0.5)
+    assert stats.per_weight < 4.5, (stats.per_weight, stats.opcodes.most_common(8))
+
+
+def test_bench_sass_prints_a_row_per_shape_and_format() -> None:
+    r = subprocess.run([sys.executable, "-m", "edged.cli", "bench", "sass", "--shapes", "smollm2-135m qkv",
+                        "--quant", "w8,w4"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    rows = [line for line in r.stdout.splitlines() if line.startswith("smollm2-135m qkv")]
+    assert [row.split()[3] for row in rows] == ["w8", "w4"], r.stdout
+    bad = subprocess.run([sys.executable, "-m", "edged.cli", "bench", "sass", "--shapes", "no such shape"],
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "unknown shapes" in bad.stderr
