@@ -121,7 +121,8 @@ def gemv_loop(fmt: str, n: int, k: int, arch: int = 90) -> tuple[LoopStats, tlin
     sig, consts, attrs = _signature(fn, pointers, ints, constexprs)
     compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
                               target=GPUTarget("cuda", arch, 32),
-                              options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+                              options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
+                                       "enable_fp_fusion": True})  # as the kernels launch (a * b + c -> FMA)
     nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
     with _temp_cubin(compiled.asm["cubin"]) as path:
         sass = subprocess.run([str(nvdisasm), "-c", path], capture_output=True, text=True, check=True).stdout
