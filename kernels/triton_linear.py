@@ -210,7 +210,10 @@ def _dot_row(acc, row_ptr, s_row_ptr, m_row_ptr, k, grp, x0, x1, x2, x3, xsum, m
         if EXACT:
             q -= 32768.0
         q0, q1, q2, q3 = _quarters(q, C, VEC)
-        return acc + (_chunk_dot(q0, q1, q2, q3, x0, x1, x2, x3) - magic_xsum) * s + xsum * mn
+        dot = _chunk_dot(q0, q1, q2, q3, x0, x1, x2, x3)
+        if not EXACT:
+            dot -= magic_xsum
+        return acc + dot * s + xsum * mn
     else:
         w0, w1, w2, w3 = _quarters(wv.to(tl.float32), C, VEC)
         return acc + _chunk_dot(w0, w1, w2, w3, x0, x1, x2, x3)
@@ -268,7 +271,7 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr, 
         if SILU:
             xv = _round_as(_silu_mul(xv, tl.load(x_ptr + K + k, mask=km, other=0.0).to(tl.float32)), dt)
         xsum = tl.sum(xv, axis=1)
-        magic_xsum = xsum * (0.0 if EXACT else 32768.0)
+        magic_xsum = xsum * 32768.0  # unused (and not computed) where EXACT
         x0, x1, x2, x3 = _quarters(xv, BLOCK_K // VEC, VEC)
         a0 = _dot_row(a0, r0, scale_ptr + i0 * stride_sn, min_ptr + i0 * stride_sn, k, grp, x0, x1, x2, x3,
                       xsum, magic_xsum, km, cm, FORMAT, EVEN_K, BLOCK_K // VEC, VEC, ASM, EXACT)
@@ -353,7 +356,9 @@ def _dot_row_w4(acc, row_ptr, s_row_ptr, m_row_ptr, byte, grp, e0, e1, e2, e3, o
     l0, l1, l2, l3 = _quarters(lo, C, 16)
     h0, h1, h2, h3 = _quarters(hi, C, 16)
     dot = tl.sum(l0 * e0 + h0 * o0 + l1 * e1 + h1 * o1 + l2 * e2 + h2 * o2 + l3 * e3 + h3 * o3, axis=1)
-    return acc + (dot - magic_xsum) * s + xsum * mn
+    if not EXACT:
+        dot -= magic_xsum
+    return acc + dot * s + xsum * mn
 
 
 @triton.jit
@@ -403,10 +408,7 @@ def _gemv_w4_kernel(xw_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_p
         even_sum = tl.sum(xe, axis=1)
         odd_sum = tl.sum(xo, axis=1)
         xsum = even_sum + odd_sum
-        if EXACT:  # _dot_row_w4 takes the constants off each weight
-            magic_xsum = xsum * 0.0
-        else:
-            magic_xsum = even_sum * 128.0 + odd_sum * 2048.0
+        magic_xsum = even_sum * 128.0 + odd_sum * 2048.0  # unused (and not computed) where EXACT
         e0, e1, e2, e3 = _quarters(xe, BLOCK_KB // 16, 16)
         o0, o1, o2, o3 = _quarters(xo, BLOCK_KB // 16, 16)
         a0 = _dot_row_w4(a0, w_ptr + i0 * stride_wn, scale_ptr + i0 * stride_sn, min_ptr + i0 * stride_sn,
@@ -415,14 +417,14 @@ def _gemv_w4_kernel(xw_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_p
         if ROWS > 1:
             a1 = _dot_row_w4(a1, w_ptr + i1 * stride_wn, scale_ptr + i1 * stride_sn, min_ptr + i1 * stride_sn,
                              byte, grp, e0, e1, e2, e3, o0, o1, o2, o3, xsum, magic_xsum, cm, EVEN_K, BLOCK_KB // 16,
-                         ASM, EXACT)
+                             ASM, EXACT)
         if ROWS > 2:
             a2 = _dot_row_w4(a2, w_ptr + i2 * stride_wn, scale_ptr + i2 * stride_sn, min_ptr + i2 * stride_sn,
                              byte, grp, e0, e1, e2, e3, o0, o1, o2, o3, xsum, magic_xsum, cm, EVEN_K, BLOCK_KB // 16,
-                         ASM, EXACT)
+                             ASM, EXACT)
             a3 = _dot_row_w4(a3, w_ptr + i3 * stride_wn, scale_ptr + i3 * stride_sn, min_ptr + i3 * stride_sn,
                              byte, grp, e0, e1, e2, e3, o0, o1, o2, o3, xsum, magic_xsum, cm, EVEN_K, BLOCK_KB // 16,
-                         ASM, EXACT)
+                             ASM, EXACT)
     y = _rows_result(tl.sum(a0, axis=0), tl.sum(a1, axis=0), tl.sum(a2, axis=0), tl.sum(a3, axis=0))
     _gemv_store(y, n, N, pid_n, pid_k, num_splits, bias_ptr, out_ptr, part_ptr, counters_ptr, res_ptr, HAS_BIAS,
                 SPLIT, RESIDUAL, GATED, ROWS)
@@ -618,7 +620,8 @@ def _pick_split(tiles: int, k_steps: int, target: int, min_steps: int) -> int:
     return max(1, min(want, k_steps // min_steps, 16))
 
 
-def choose_config(m: int, n: int, k: int, fmt: str, device: torch.device, sm_count: int | None = None) -> LinearConfig:
+def choose_config(m: int, n: int, k: int, fmt: str, device: torch.device,
+                  sm_count: int | None = None) -> LinearConfig:
     """Shape heuristics (no autotuning: it must also run under the CPU interpreter). GPU numbers come
     from sweeps on an H200 (`edged bench kernels --sweep`). sm_count: a CUDA device's SMs, given rather
     than asked for (`edged bench sass` compiles for a GPU that is not there)."""
@@ -643,7 +646,7 @@ def choose_config(m: int, n: int, k: int, fmt: str, device: torch.device, sm_cou
             block_k = 4096
         else:
             block_k = 2048 if quantized and k > 1024 else 1024
-        rows = 2 if quantized and n <= 2048 and k <= 2048 or fmt == "w8" and n <= 8192 and k >= 4096 else 4
+        rows = 2 if (quantized and n <= 2048 and k <= 2048) or (fmt == "w8" and n <= 8192 and k >= 4096) else 4
         split = _pick_split(-(-n // rows), -(-k // block_k), 2 * sms, 2)
         return LinearConfig("gemv", 1, rows, block_k, split, num_warps=4, num_stages=1)
     if fmt == "dense":
@@ -734,7 +737,7 @@ def linear(x: torch.Tensor, w: LinearWeight, config: LinearConfig | None = None,
         silu_mul = False
     res2 = None if residual is None else residual.reshape(m, n)
     if silu_mul_out and not fuse_input:
-        y = linear(x2, w, cfg, out_dtype, residual=residual)
+        y = linear(x2, w, cfg, out_dtype)
         return silu_and_mul(y).reshape(*lead, n // 2)
     if cfg.kind == "torch":
         y = _torch_linear(x2, w, out_dtype)

@@ -14,6 +14,7 @@ import collections
 import re
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -124,28 +125,15 @@ def gemv_loop(fmt: str, n: int, k: int, arch: int = 90) -> tuple[LoopStats, tlin
                               options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
                                        "enable_fp_fusion": True})  # as the kernels launch (a * b + c -> FMA)
     nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
-    with _temp_cubin(compiled.asm["cubin"]) as path:
-        sass = subprocess.run([str(nvdisasm), "-c", path], capture_output=True, text=True, check=True).stdout
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        sass = subprocess.run([str(nvdisasm), "-c", cubin.name], capture_output=True, text=True, check=True).stdout
     body = longest_loop(sass)
     threads = 32 * cfg.num_warps
     stats = LoopStats(len(body), collections.Counter(opcode(t) for t in body),
                       cfg.block_n * step_weights / threads)
     return stats, cfg
-
-
-class _temp_cubin:
-    def __init__(self, data: bytes) -> None:
-        import tempfile
-
-        self._file = tempfile.NamedTemporaryFile(suffix=".cubin")
-        self._file.write(data)
-        self._file.flush()
-
-    def __enter__(self) -> str:
-        return self._file.name
-
-    def __exit__(self, *exc: object) -> None:
-        self._file.close()
 
 
 def run_sass_bench(args: argparse.Namespace) -> int:
