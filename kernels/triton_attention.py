@@ -30,11 +30,11 @@ def _kv_offsets(bt_row_ptr, t, tmask, block_size, stride_n, stride_s):
 
 
 @triton.jit
-def _tile_scores(q, k_ptr, v_ptr, bt_row, t, tmask, d, dmask, block_size, kvh, ks_ptr, vs_ptr, k_group, v_group,
-                 stride_kn, stride_ks, stride_kh, stride_vn, stride_vs, stride_vh,
-                 stride_ksn, stride_kss, stride_ksh, stride_ksg, stride_vsn, stride_vss, stride_vsh, stride_vsg,
-                 INT8: tl.constexpr):
-    """Load the K/V tile of cached tokens t for one kv head; return (q.K^T, V as a dot operand).
+def _load_tile(k_ptr, v_ptr, bt_row, t, tmask, d, dmask, block_size, kvh, ks_ptr, vs_ptr, k_group, v_group,
+               stride_kn, stride_ks, stride_kh, stride_vn, stride_vs, stride_vh,
+               stride_ksn, stride_kss, stride_ksh, stride_ksg, stride_vsn, stride_vss, stride_vsh, stride_vsg,
+               dtype: tl.constexpr, INT8: tl.constexpr):
+    """The K/V tile of cached tokens t for one kv head, in dtype (masked tokens: 0).
     int8: channel d of a token's key takes scale d // k_group of its (token, kv head), of its value
     scale d // v_group."""
     k_off = _kv_offsets(bt_row, t, tmask, block_size, stride_kn, stride_ks) + kvh * stride_kh
@@ -49,8 +49,20 @@ def _tile_scores(q, k_ptr, v_ptr, bt_row, t, tmask, d, dmask, block_size, kvh, k
         vs = tl.load(vs_ptr + vs_off[:, None] + (d // v_group)[None, :] * stride_vsg, mask=kv_mask, other=0.0)
         k = i8_to_f32(k) * ks
         v = i8_to_f32(v) * vs
-    s = tl.dot(q, tl.trans(k.to(q.dtype)))
-    return s, v.to(q.dtype)
+    return k.to(dtype), v.to(dtype)
+
+
+@triton.jit
+def _tile_scores(q, k_ptr, v_ptr, bt_row, t, tmask, d, dmask, block_size, kvh, ks_ptr, vs_ptr, k_group, v_group,
+                 stride_kn, stride_ks, stride_kh, stride_vn, stride_vs, stride_vh,
+                 stride_ksn, stride_kss, stride_ksh, stride_ksg, stride_vsn, stride_vss, stride_vsh, stride_vsg,
+                 INT8: tl.constexpr):
+    """Load the K/V tile of cached tokens t for one kv head; return (q.K^T, V as a dot operand)."""
+    k, v = _load_tile(k_ptr, v_ptr, bt_row, t, tmask, d, dmask, block_size, kvh, ks_ptr, vs_ptr, k_group, v_group,
+                      stride_kn, stride_ks, stride_kh, stride_vn, stride_vs, stride_vh,
+                      stride_ksn, stride_kss, stride_ksh, stride_ksg, stride_vsn, stride_vss, stride_vsh, stride_vsg,
+                      q.dtype, INT8)
+    return tl.dot(q, tl.trans(k)), v
 
 
 @triton.jit
@@ -73,8 +85,10 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, out_pt
                    stride_bt, stride_ob, stride_oh,
                    INT8: tl.constexpr, SPLIT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_T: tl.constexpr, PDL: tl.constexpr):
-    """Program (sequence, kv head, split): all q heads of the kv head over one slice of the context."""
-    pdl_begin(PDL)
+    """Program (sequence, kv head, split): all q heads of the kv head over one slice of the context.
+    The slice's first tile loads before the wait on the previous kernel (PDL), but for the newest token,
+    which that kernel (rope_write_kv) writes: the program whose first tile holds it loads the tile again
+    after the wait. The context lengths and block tables must not be written by the kernel before."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -88,13 +102,29 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, out_pt
     gmask = g < group
     dmask = d < head_dim
     heads = kvh * group + g
+    bt_row = bt_ptr + b.to(tl.int64) * stride_bt
+    dt = q_ptr.dtype.element_ty
+    t = lo + tl.arange(0, BLOCK_T)
+    tmask = t < hi
+    k, v = _load_tile(k_ptr, v_ptr, bt_row, t, tmask & (t < ctx - 1), d, dmask, block_size, kvh, ks_ptr, vs_ptr,
+                      k_group, v_group, stride_kn, stride_ks, stride_kh, stride_vn, stride_vs, stride_vh,
+                      stride_ksn, stride_kss, stride_ksh, stride_ksg, stride_vsn, stride_vss, stride_vsh, stride_vsg,
+                      dt, INT8)
+    pdl_begin(PDL)
+    if lo + BLOCK_T >= ctx:
+        k, v = _load_tile(k_ptr, v_ptr, bt_row, t, tmask, d, dmask, block_size, kvh, ks_ptr, vs_ptr, k_group,
+                          v_group, stride_kn, stride_ks, stride_kh, stride_vn, stride_vs, stride_vh,
+                          stride_ksn, stride_kss, stride_ksh, stride_ksg, stride_vsn, stride_vss, stride_vsh,
+                          stride_vsg, dt, INT8)
     q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + d[None, :],
                 mask=gmask[:, None] & dmask[None, :], other=0.0)
-    bt_row = bt_ptr + b.to(tl.int64) * stride_bt
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-    for t0 in range(lo, hi, BLOCK_T):
+    if lo < hi:  # an empty split (short context) keeps lse = -inf
+        s = tl.where(tmask[None, :], tl.dot(q, tl.trans(k)) * qk_scale, float("-inf"))
+        m_i, l_i, acc = _softmax_step(q, s, v, m_i, l_i, acc)
+    for t0 in range(lo + BLOCK_T, hi, BLOCK_T):
         t = t0 + tl.arange(0, BLOCK_T)
         tmask = t < hi
         s, v = _tile_scores(q, k_ptr, v_ptr, bt_row, t, tmask, d, dmask, block_size, kvh, ks_ptr, vs_ptr,
@@ -223,7 +253,10 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      v_scale: torch.Tensor | None = None, num_splits: int | None = None,
                      block_t: int | None = None, num_warps: int = 4) -> torch.Tensor:
     """q [B,Hq,D] (the token at position context_len - 1) over its cached context; out [B,Hq,D].
-    num_splits, block_t (tokens a step) and num_warps override the heuristics (tests, sweeps)."""
+    num_splits, block_t (tokens a step) and num_warps override the heuristics (tests, sweeps).
+    Under PDL the cache, block tables and context lengths are read before the wait on the kernel launched
+    just before, but for each sequence's newest token: that kernel may write the newest token's K/V
+    (rope_write_kv does), nothing else of these."""
     batch, n_heads, head_dim = q.shape
     n_kv = k_cache.shape[2]
     group = n_heads // n_kv

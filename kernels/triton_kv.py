@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_rope import _rope_token, rope_launch_args
+from .triton_rope import _rope_angles, _rope_token, rope_launch_args
 from .triton_pdl import pdl_begin, pdl_launch
 
 
@@ -41,14 +41,13 @@ def _store_token(src_ptr, cache_ptr, scale_ptr, t, block, off, n_heads, stride_s
 
 
 @triton.jit
-def _write_token(k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, slot_ptr, t, n_heads, head_dim, k_groups, v_groups,
+def _write_token(k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, slot, t, n_heads, head_dim, k_groups, v_groups,
                  block_size, stride_kt, stride_kh, stride_vt, stride_vh,
                  stride_cn, stride_cs, stride_ch, stride_vn, stride_vs, stride_vch,
                  stride_kqn, stride_kqs, stride_kqh, stride_kqg, stride_vqn, stride_vqs, stride_vqh, stride_vqg,
                  INT8: tl.constexpr, K_ROWS: tl.constexpr, K_COLS: tl.constexpr, V_ROWS: tl.constexpr,
                  V_COLS: tl.constexpr):
-    """Token t's k and v into the cache at slot_mapping[t] (nothing when it is -1)."""
-    slot = tl.load(slot_ptr + t).to(tl.int64)
+    """Token t's k and v into the cache at slot (its slot_mapping entry; nothing when it is -1)."""
     if slot >= 0:
         block = slot // block_size
         off = slot % block_size
@@ -69,7 +68,8 @@ def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, slot_ptr, n_h
                      V_COLS: tl.constexpr, PDL: tl.constexpr):
     pdl_begin(PDL)
     t = tl.program_id(0).to(tl.int64)
-    _write_token(k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, slot_ptr, t, n_heads, head_dim, k_groups, v_groups,
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    _write_token(k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, slot, t, n_heads, head_dim, k_groups, v_groups,
                  block_size, stride_kt, stride_kh, stride_vt, stride_vh,
                  stride_cn, stride_cs, stride_ch, stride_vn, stride_vs, stride_vch,
                  stride_kqn, stride_kqs, stride_kqh, stride_kqg, stride_vqn, stride_vqs, stride_vqh, stride_vqg,
@@ -86,15 +86,18 @@ def _rope_write_kv_kernel(q_ptr, k_ptr, pos_ptr, cs_ptr, n_q, n_k, stride_qt, st
                           INT8: tl.constexpr, K_ROWS: tl.constexpr, K_COLS: tl.constexpr, V_ROWS: tl.constexpr,
                           V_COLS: tl.constexpr, PDL: tl.constexpr):
     """rope then write_kv for one token: q and k rotated in place, then the rotated k (read back from k, so
-    rounded to its dtype, as the reference writes it) and v into the cache."""
-    pdl_begin(PDL)
+    rounded to its dtype, as the reference writes it) and v into the cache. The position, its cos and sin
+    and the slot load before the wait on the previous kernel (PDL), off the chain of loads that follow
+    it: rope_write_kv's contract is that the kernel launched just before does not write them."""
     t = tl.program_id(0).to(tl.int64)
-    _rope_token(q_ptr, k_ptr, pos_ptr, cs_ptr, t, n_q, n_k, stride_qt, stride_qh, stride_kt, stride_kh,
-                stride_cos_sin, HALF, BLOCK_HALF, BLOCK_H)
+    cos, sin, j, jm = _rope_angles(pos_ptr, cs_ptr, t, stride_cos_sin, HALF, BLOCK_HALF)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    pdl_begin(PDL)
+    _rope_token(q_ptr, k_ptr, cos, sin, j, jm, t, n_q, n_k, stride_qt, stride_qh, stride_kt, stride_kh, HALF, BLOCK_H)
     # _store_token reads k back in another layout than _rotate stored it (other threads' elements): the
     # barrier (bar.sync) makes this program's stores visible to all its threads first
     tl.debug_barrier()
-    _write_token(k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, slot_ptr, t, n_k, head_dim, k_groups, v_groups,
+    _write_token(k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, slot, t, n_k, head_dim, k_groups, v_groups,
                  block_size, stride_kt, stride_kh, stride_vt, stride_vh,
                  stride_cn, stride_cs, stride_ch, stride_vn, stride_vs, stride_vch,
                  stride_kqn, stride_kqs, stride_kqh, stride_kqg, stride_vqn, stride_vqs, stride_vqh, stride_vqg,
@@ -136,7 +139,9 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: 
                   k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
     """`rope(q, k, positions, cos_sin)` then `write_kv(k, v, ...)` in one launch: q [T,Hq,D] and k [T,Hkv,D]
     rotated in place (strided views allowed, head dimension contiguous), the rotated k and v [T,Hkv,D]
-    scattered into the cache as write_kv does."""
+    scattered into the cache as write_kv does. positions, slot_mapping and cos_sin are read before the
+    wait on the kernel launched just before (PDL): that kernel must not write them (in the model it is
+    the qkv projection; they are a step's inputs)."""
     tokens, n_heads, head_dim = k.shape
     if tokens == 0:
         return

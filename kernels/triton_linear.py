@@ -180,18 +180,8 @@ def _chunk_dot(q0, q1, q2, q3, x0, x1, x2, x3):
 
 
 @triton.jit
-def _dot_row(acc, row_ptr, s_row_ptr, m_row_ptr, k, grp, x0, x1, x2, x3, xsum, magic_xsum, km, cm,
-             FORMAT: tl.constexpr, EVEN_K: tl.constexpr, C: tl.constexpr, VEC: tl.constexpr, ASM: tl.constexpr,
-             EXACT: tl.constexpr):
-    """acc [chunks] += the dot of one weight row's chunks with x (x0..x3: its quarters). A w8 chunk lies
-    in one group, so sum(x * (q * scale + minimum)) is computed as scale * sum(x * q) + minimum * sum(x)
-    (xsum: the chunk sums of x, shared by every row): one FMA a weight instead of two, and one
-    accumulator a chunk instead of one a column, which leaves registers for more loads in flight.
-    q comes as the float 32768 + q (ASM: magic_u8_f32_asm, one prmt a byte), its constant taken off
-    once a chunk (magic_xsum = 32768 * xsum): no conversion or subtraction a weight. The constant is
-    ~256x a typical q, so the dot loses ~8 of float32's 24 bits: about 1/8 ulp of a bfloat16 result
-    (up to 2 ulps of a float16 one). So only bfloat16 takes it; float16, float32 and float32 results
-    (EXACT: the logits) take the constant off each weight instead (exact; one add a weight)."""
+def _load_row(row_ptr, s_row_ptr, m_row_ptr, k, grp, km, cm, FORMAT: tl.constexpr, EVEN_K: tl.constexpr):
+    """One weight row's step: its [chunks, VEC] weights, and (w8) each chunk's scale and minimum."""
     if EVEN_K:
         wv = tl.load(row_ptr + k, eviction_policy="evict_first")
     else:
@@ -203,6 +193,24 @@ def _dot_row(acc, row_ptr, s_row_ptr, m_row_ptr, k, grp, x0, x1, x2, x3, xsum, m
         else:
             s = tl.load(s_row_ptr + grp, mask=cm, other=0.0).to(tl.float32)
             mn = tl.load(m_row_ptr + grp, mask=cm, other=0.0).to(tl.float32)
+        return wv, s, mn
+    else:
+        return wv, 0.0, 0.0
+
+
+@triton.jit
+def _dot_loaded(acc, wv, s, mn, x0, x1, x2, x3, xsum, magic_xsum, FORMAT: tl.constexpr, C: tl.constexpr,
+                VEC: tl.constexpr, ASM: tl.constexpr, EXACT: tl.constexpr):
+    """acc [chunks] += the dot of one weight row's loaded step (_load_row) with x (x0..x3: its quarters).
+    A w8 chunk lies in one group, so sum(x * (q * scale + minimum)) is computed as scale * sum(x * q) +
+    minimum * sum(x) (xsum: the chunk sums of x, shared by every row): one FMA a weight instead of two,
+    and one accumulator a chunk instead of one a column, which leaves registers for more loads in flight.
+    q comes as the float 32768 + q (ASM: magic_u8_f32_asm, one prmt a byte), its constant taken off
+    once a chunk (magic_xsum = 32768 * xsum): no conversion or subtraction a weight. The constant is
+    ~256x a typical q, so the dot loses ~8 of float32's 24 bits: about 1/8 ulp of a bfloat16 result
+    (up to 2 ulps of a float16 one). So only bfloat16 takes it; float16, float32 and float32 results
+    (EXACT: the logits) take the constant off each weight instead (exact; one add a weight)."""
+    if FORMAT == 1:
         if ASM:
             q = magic_u8_f32_asm(wv)
         else:
@@ -220,6 +228,24 @@ def _dot_row(acc, row_ptr, s_row_ptr, m_row_ptr, k, grp, x0, x1, x2, x3, xsum, m
 
 
 @triton.jit
+def _x_step(x_ptr, nw_ptr, K, k, km, inv, dt: tl.constexpr, NORM: tl.constexpr, SILU: tl.constexpr,
+            EVEN_K: tl.constexpr, C: tl.constexpr, VEC: tl.constexpr):
+    """x at one step's columns k, through the fused prologue (NORM, SILU): its quarters, its chunk sums,
+    and 32768 times them (the w8 constant's share)."""
+    if EVEN_K:
+        xv = tl.load(x_ptr + k).to(tl.float32)
+    else:
+        xv = tl.load(x_ptr + k, mask=km, other=0.0).to(tl.float32)
+    if NORM:
+        xv = _round_as(tl.load(nw_ptr + k, mask=km, other=0.0).to(tl.float32) * (xv * inv), dt)
+    if SILU:
+        xv = _round_as(_silu_mul(xv, tl.load(x_ptr + K + k, mask=km, other=0.0).to(tl.float32)), dt)
+    xsum = tl.sum(xv, axis=1)
+    x0, x1, x2, x3 = _quarters(xv, C, VEC)
+    return x0, x1, x2, x3, xsum, xsum * 32768.0  # the last unused (and not computed) where EXACT
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr, counters_ptr, nw_ptr, res_ptr, eps,
                  N, K, k_per_split, num_splits, stride_wn, stride_sn, FORMAT: tl.constexpr, HAS_BIAS: tl.constexpr,
                  SPLIT: tl.constexpr, EVEN_K: tl.constexpr, GROUP_SIZE: tl.constexpr, ROWS: tl.constexpr,
@@ -233,11 +259,13 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr, 
     flight. Accumulation is elementwise; the reduction happens once at the end. A w8 chunk of VEC
     columns lies inside one group (GROUP_SIZE is a multiple of VEC, or the whole row): one scale and
     one minimum per chunk and row.
+    The first step's weights load before the wait on the previous kernel (pdl_begin): weights are
+    never written during a step, and under PDL their latency then overlaps that kernel's tail instead
+    of following it (a small layer is a single step: all its weights).
     Fused around it (decode of one sequence): NORM, x is RMSNorm(x) * nw (inverse RMS over the whole
     row first); SILU, x holds [gate | up] (2K values) and is silu(gate) * up; each rounded to the
     activation dtype as its own op would be. RESIDUAL adds res to the rounded result (_epilogue);
     GATED, the weight holds [gate | up] rows and the output is silu(gate) * up (_gated_epilogue)."""
-    pdl_begin(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     # rows past N are clamped to valid rows (valid loads) and masked at the store
@@ -246,43 +274,57 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr, 
     r1 = w_ptr + i1 * stride_wn
     r2 = w_ptr + i2 * stride_wn
     r3 = w_ptr + i3 * stride_wn
-    chunk = tl.arange(0, BLOCK_K // VEC) * VEC
+    s0, s1, s2, s3 = scale_ptr + i0 * stride_sn, scale_ptr + i1 * stride_sn, scale_ptr + i2 * stride_sn, \
+        scale_ptr + i3 * stride_sn
+    m0, m1, m2, m3 = min_ptr + i0 * stride_sn, min_ptr + i1 * stride_sn, min_ptr + i2 * stride_sn, \
+        min_ptr + i3 * stride_sn
+    C: tl.constexpr = BLOCK_K // VEC
+    chunk = tl.arange(0, C) * VEC
     col = chunk[:, None] + tl.arange(0, VEC)[None, :]
     k_lo = pid_k * k_per_split
-    k_hi = tl.minimum(k_lo + k_per_split, K)
-    a0 = tl.zeros([BLOCK_K // VEC], dtype=tl.float32)
-    a1 = tl.zeros([BLOCK_K // VEC], dtype=tl.float32)
-    a2 = tl.zeros([BLOCK_K // VEC], dtype=tl.float32)
-    a3 = tl.zeros([BLOCK_K // VEC], dtype=tl.float32)
+    k_hi = tl.minimum(k_lo + k_per_split, K)  # splits are never empty: k_lo < k_hi
+    a0 = tl.zeros([C], dtype=tl.float32)
+    a1 = tl.zeros([C], dtype=tl.float32)
+    a2 = tl.zeros([C], dtype=tl.float32)
+    a3 = tl.zeros([C], dtype=tl.float32)
     dt = x_ptr.dtype.element_ty
+    k = k_lo + col
+    km = k < k_hi
+    grp = (k_lo + chunk) // GROUP_SIZE
+    cm = k_lo + chunk < k_hi
+    w0, sc0, mn0 = _load_row(r0, s0, m0, k, grp, km, cm, FORMAT, EVEN_K)
+    if ROWS > 1:
+        w1, sc1, mn1 = _load_row(r1, s1, m1, k, grp, km, cm, FORMAT, EVEN_K)
+    if ROWS > 2:
+        w2, sc2, mn2 = _load_row(r2, s2, m2, k, grp, km, cm, FORMAT, EVEN_K)
+        w3, sc3, mn3 = _load_row(r3, s3, m3, k, grp, km, cm, FORMAT, EVEN_K)
+    pdl_begin(PDL)
+    inv = 1.0
     if NORM:
         inv = _rms_inv(x_ptr, K, eps, BLOCK_K)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
+    x0, x1, x2, x3, xsum, magic_xsum = _x_step(x_ptr, nw_ptr, K, k, km, inv, dt, NORM, SILU, EVEN_K, C, VEC)
+    a0 = _dot_loaded(a0, w0, sc0, mn0, x0, x1, x2, x3, xsum, magic_xsum, FORMAT, C, VEC, ASM, EXACT)
+    if ROWS > 1:
+        a1 = _dot_loaded(a1, w1, sc1, mn1, x0, x1, x2, x3, xsum, magic_xsum, FORMAT, C, VEC, ASM, EXACT)
+    if ROWS > 2:
+        a2 = _dot_loaded(a2, w2, sc2, mn2, x0, x1, x2, x3, xsum, magic_xsum, FORMAT, C, VEC, ASM, EXACT)
+        a3 = _dot_loaded(a3, w3, sc3, mn3, x0, x1, x2, x3, xsum, magic_xsum, FORMAT, C, VEC, ASM, EXACT)
+    for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
         k = k0 + col
         km = k < k_hi
         grp = (k0 + chunk) // GROUP_SIZE
         cm = k0 + chunk < k_hi
-        if EVEN_K:
-            xv = tl.load(x_ptr + k).to(tl.float32)
-        else:
-            xv = tl.load(x_ptr + k, mask=km, other=0.0).to(tl.float32)
-        if NORM:
-            xv = _round_as(tl.load(nw_ptr + k, mask=km, other=0.0).to(tl.float32) * (xv * inv), dt)
-        if SILU:
-            xv = _round_as(_silu_mul(xv, tl.load(x_ptr + K + k, mask=km, other=0.0).to(tl.float32)), dt)
-        xsum = tl.sum(xv, axis=1)
-        magic_xsum = xsum * 32768.0  # unused (and not computed) where EXACT
-        x0, x1, x2, x3 = _quarters(xv, BLOCK_K // VEC, VEC)
-        a0 = _dot_row(a0, r0, scale_ptr + i0 * stride_sn, min_ptr + i0 * stride_sn, k, grp, x0, x1, x2, x3,
-                      xsum, magic_xsum, km, cm, FORMAT, EVEN_K, BLOCK_K // VEC, VEC, ASM, EXACT)
+        x0, x1, x2, x3, xsum, magic_xsum = _x_step(x_ptr, nw_ptr, K, k, km, inv, dt, NORM, SILU, EVEN_K, C, VEC)
+        w0, sc0, mn0 = _load_row(r0, s0, m0, k, grp, km, cm, FORMAT, EVEN_K)
+        a0 = _dot_loaded(a0, w0, sc0, mn0, x0, x1, x2, x3, xsum, magic_xsum, FORMAT, C, VEC, ASM, EXACT)
         if ROWS > 1:
-            a1 = _dot_row(a1, r1, scale_ptr + i1 * stride_sn, min_ptr + i1 * stride_sn, k, grp, x0, x1, x2, x3,
-                          xsum, magic_xsum, km, cm, FORMAT, EVEN_K, BLOCK_K // VEC, VEC, ASM, EXACT)
+            w1, sc1, mn1 = _load_row(r1, s1, m1, k, grp, km, cm, FORMAT, EVEN_K)
+            a1 = _dot_loaded(a1, w1, sc1, mn1, x0, x1, x2, x3, xsum, magic_xsum, FORMAT, C, VEC, ASM, EXACT)
         if ROWS > 2:
-            a2 = _dot_row(a2, r2, scale_ptr + i2 * stride_sn, min_ptr + i2 * stride_sn, k, grp, x0, x1, x2, x3,
-                          xsum, magic_xsum, km, cm, FORMAT, EVEN_K, BLOCK_K // VEC, VEC, ASM, EXACT)
-            a3 = _dot_row(a3, r3, scale_ptr + i3 * stride_sn, min_ptr + i3 * stride_sn, k, grp, x0, x1, x2, x3,
-                          xsum, magic_xsum, km, cm, FORMAT, EVEN_K, BLOCK_K // VEC, VEC, ASM, EXACT)
+            w2, sc2, mn2 = _load_row(r2, s2, m2, k, grp, km, cm, FORMAT, EVEN_K)
+            a2 = _dot_loaded(a2, w2, sc2, mn2, x0, x1, x2, x3, xsum, magic_xsum, FORMAT, C, VEC, ASM, EXACT)
+            w3, sc3, mn3 = _load_row(r3, s3, m3, k, grp, km, cm, FORMAT, EVEN_K)
+            a3 = _dot_loaded(a3, w3, sc3, mn3, x0, x1, x2, x3, xsum, magic_xsum, FORMAT, C, VEC, ASM, EXACT)
     y = _rows_result(tl.sum(a0, axis=0), tl.sum(a1, axis=0), tl.sum(a2, axis=0), tl.sum(a3, axis=0))
     _gemv_store(y, n, N, pid_n, pid_k, num_splits, bias_ptr, out_ptr, part_ptr, counters_ptr, res_ptr, HAS_BIAS,
                 SPLIT, RESIDUAL, GATED, ROWS)
@@ -329,15 +371,8 @@ def _rms_inv_words(xw_ptr, KB, eps, X_KIND: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _dot_row_w4(acc, row_ptr, s_row_ptr, m_row_ptr, byte, grp, e0, e1, e2, e3, o0, o1, o2, o3, xsum, magic_xsum,
-                cm, EVEN_K: tl.constexpr, C: tl.constexpr, ASM: tl.constexpr, EXACT: tl.constexpr):
-    """acc [chunks] += one w4 row's chunks against x, as _dot_row's w8: scale * sum(x * q) + minimum *
-    sum(x). A nibble comes as the float 128 + q (low) or 2048 + q (high), with no conversion or
-    subtraction (ASM: magic_nibbles_f32_asm, 1.5 instructions a weight before its FMA, against 2.5 for
-    q itself); the constants come off once a chunk, magic_xsum being 128 * sum(x[even]) + 2048 *
-    sum(x[odd]) (shared by every row). Bits 12-19 are the highest a nibble can sit under float32's
-    exponent; the constants, up to ~270x a typical q, cost the dot ~8 bits, as in _dot_row, and EXACT
-    takes them off each weight instead. e0..e3, o0..o3: the quarters of x[even], x[odd]."""
+def _load_row_w4(row_ptr, s_row_ptr, m_row_ptr, byte, grp, cm, EVEN_K: tl.constexpr):
+    """One w4 row's step: its [chunks, 16] bytes, each chunk's scale and minimum."""
     if EVEN_K:
         b = tl.load(row_ptr + byte, eviction_policy="evict_first")
         s = tl.load(s_row_ptr + grp).to(tl.float32)
@@ -346,6 +381,20 @@ def _dot_row_w4(acc, row_ptr, s_row_ptr, m_row_ptr, byte, grp, e0, e1, e2, e3, o
         b = tl.load(row_ptr + byte, mask=cm[:, None], other=0, eviction_policy="evict_first")
         s = tl.load(s_row_ptr + grp, mask=cm, other=0.0).to(tl.float32)
         mn = tl.load(m_row_ptr + grp, mask=cm, other=0.0).to(tl.float32)
+    return b, s, mn
+
+
+@triton.jit
+def _dot_loaded_w4(acc, b, s, mn, e0, e1, e2, e3, o0, o1, o2, o3, xsum, magic_xsum, C: tl.constexpr,
+                   ASM: tl.constexpr, EXACT: tl.constexpr):
+    """acc [chunks] += one w4 row's loaded step (_load_row_w4) against x, as _dot_loaded's w8:
+    scale * sum(x * q) + minimum * sum(x). A nibble comes as the float 128 + q (low) or 2048 + q (high),
+    with no conversion or subtraction (ASM: magic_nibbles_f32_asm, 1.5 instructions a weight before its
+    FMA, against 2.5 for q itself); the constants come off once a chunk, magic_xsum being
+    128 * sum(x[even]) + 2048 * sum(x[odd]) (shared by every row). Bits 12-19 are the highest a nibble
+    can sit under float32's exponent; the constants, up to ~270x a typical q, cost the dot ~8 bits, as in
+    _dot_loaded, and EXACT takes them off each weight instead. e0..e3, o0..o3: the quarters of x[even],
+    x[odd]."""
     if ASM:
         lo, hi = magic_nibbles_f32_asm(b)
     else:
@@ -362,69 +411,100 @@ def _dot_row_w4(acc, row_ptr, s_row_ptr, m_row_ptr, byte, grp, e0, e1, e2, e3, o
 
 
 @triton.jit
+def _x_step_w4(xw_ptr, nw_ptr, KB, byte, cm, inv, X_KIND: tl.constexpr, NORM: tl.constexpr, SILU: tl.constexpr,
+               EVEN_K: tl.constexpr, C: tl.constexpr):
+    """x at one step's bytes (the words of its pairs), through the fused prologue (NORM, SILU): the
+    quarters of x[even] and x[odd], the chunk sums, and the constants' share (_dot_loaded_w4)."""
+    if EVEN_K:
+        xv = tl.load(xw_ptr + byte)
+    else:
+        xv = tl.load(xw_ptr + byte, mask=cm[:, None], other=0)
+    xe, xo = _x_pairs(xv, X_KIND)
+    if NORM:
+        we, wo = _x_pairs(tl.load(nw_ptr + byte, mask=cm[:, None], other=0), X_KIND)
+        xe = _round_words(we * (xe * inv), X_KIND)
+        xo = _round_words(wo * (xo * inv), X_KIND)
+    if SILU:
+        ue, uo = _x_pairs(tl.load(xw_ptr + KB + byte, mask=cm[:, None], other=0), X_KIND)
+        xe = _round_words(_silu_mul(xe, ue), X_KIND)
+        xo = _round_words(_silu_mul(xo, uo), X_KIND)
+    even_sum = tl.sum(xe, axis=1)
+    odd_sum = tl.sum(xo, axis=1)
+    e0, e1, e2, e3 = _quarters(xe, C, 16)
+    o0, o1, o2, o3 = _quarters(xo, C, 16)
+    # the last unused (and not computed) where EXACT
+    return e0, e1, e2, e3, o0, o1, o2, o3, even_sum + odd_sum, even_sum * 128.0 + odd_sum * 2048.0
+
+
+@triton.jit
 def _gemv_w4_kernel(xw_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr, counters_ptr, nw_ptr, res_ptr,
                     eps, N, KB, kb_per_split, num_splits, stride_wn, stride_sn,
                     X_KIND: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
                     GROUP_SIZE: tl.constexpr, ROWS: tl.constexpr, BLOCK_KB: tl.constexpr, NORM: tl.constexpr,
                     SILU: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr,
                     GATED: tl.constexpr, EXACT: tl.constexpr):
-    """One row of x against ROWS (1, 2 or 4) rows of w4 weights (KB bytes a row), as _gemv_kernel.
+    """One row of x against ROWS (1, 2 or 4) rows of w4 weights (KB bytes a row), as _gemv_kernel
+    (its first step's weights also load before the wait on the previous kernel).
     Tiles are [BLOCK_KB // 16, 16] bytes: a 16-byte chunk lies inside one group (groups are >= 16
     bytes), so it takes one scale and one minimum. x comes as words holding the pair
     (x[2j], x[2j+1]) of byte j, unpacked once per step for all rows; NORM / SILU / RESIDUAL as in
     _gemv_kernel (nw_ptr: the norm weight as words too; SILU: gate words, then KB up words; GATED)."""
-    pdl_begin(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     i0, i1, i2, i3, n = _gemv_rows(pid_n, N, ROWS, GATED)
-    chunk = tl.arange(0, BLOCK_KB // 16) * 16
+    r0, r1, r2, r3 = w_ptr + i0 * stride_wn, w_ptr + i1 * stride_wn, w_ptr + i2 * stride_wn, w_ptr + i3 * stride_wn
+    s0, s1, s2, s3 = scale_ptr + i0 * stride_sn, scale_ptr + i1 * stride_sn, scale_ptr + i2 * stride_sn, \
+        scale_ptr + i3 * stride_sn
+    m0, m1, m2, m3 = min_ptr + i0 * stride_sn, min_ptr + i1 * stride_sn, min_ptr + i2 * stride_sn, \
+        min_ptr + i3 * stride_sn
+    C: tl.constexpr = BLOCK_KB // 16
+    chunk = tl.arange(0, C) * 16
     v = tl.arange(0, 16)
     b_lo = pid_k * kb_per_split
-    b_hi = tl.minimum(b_lo + kb_per_split, KB)
-    a0 = tl.zeros([BLOCK_KB // 16], dtype=tl.float32)
-    a1 = tl.zeros([BLOCK_KB // 16], dtype=tl.float32)
-    a2 = tl.zeros([BLOCK_KB // 16], dtype=tl.float32)
-    a3 = tl.zeros([BLOCK_KB // 16], dtype=tl.float32)
+    b_hi = tl.minimum(b_lo + kb_per_split, KB)  # splits are never empty: b_lo < b_hi
+    a0 = tl.zeros([C], dtype=tl.float32)
+    a1 = tl.zeros([C], dtype=tl.float32)
+    a2 = tl.zeros([C], dtype=tl.float32)
+    a3 = tl.zeros([C], dtype=tl.float32)
+    start = b_lo + chunk  # first byte of each chunk
+    byte = start[:, None] + v[None, :]
+    grp = start // (GROUP_SIZE // 2)
+    cm = start < b_hi  # chunks never straddle b_hi: rows and splits are whole chunks
+    w0, sc0, mn0 = _load_row_w4(r0, s0, m0, byte, grp, cm, EVEN_K)
+    if ROWS > 1:
+        w1, sc1, mn1 = _load_row_w4(r1, s1, m1, byte, grp, cm, EVEN_K)
+    if ROWS > 2:
+        w2, sc2, mn2 = _load_row_w4(r2, s2, m2, byte, grp, cm, EVEN_K)
+        w3, sc3, mn3 = _load_row_w4(r3, s3, m3, byte, grp, cm, EVEN_K)
+    pdl_begin(PDL)
+    inv = 1.0
     if NORM:
         inv = _rms_inv_words(xw_ptr, KB, eps, X_KIND, BLOCK_KB)
-    for kb0 in range(b_lo, b_hi, BLOCK_KB):
-        start = kb0 + chunk  # first byte of each chunk
+    e0, e1, e2, e3, o0, o1, o2, o3, xsum, magic_xsum = _x_step_w4(xw_ptr, nw_ptr, KB, byte, cm, inv, X_KIND, NORM,
+                                                                  SILU, EVEN_K, C)
+    a0 = _dot_loaded_w4(a0, w0, sc0, mn0, e0, e1, e2, e3, o0, o1, o2, o3, xsum, magic_xsum, C, ASM, EXACT)
+    if ROWS > 1:
+        a1 = _dot_loaded_w4(a1, w1, sc1, mn1, e0, e1, e2, e3, o0, o1, o2, o3, xsum, magic_xsum, C, ASM, EXACT)
+    if ROWS > 2:
+        a2 = _dot_loaded_w4(a2, w2, sc2, mn2, e0, e1, e2, e3, o0, o1, o2, o3, xsum, magic_xsum, C, ASM, EXACT)
+        a3 = _dot_loaded_w4(a3, w3, sc3, mn3, e0, e1, e2, e3, o0, o1, o2, o3, xsum, magic_xsum, C, ASM, EXACT)
+    for kb0 in range(b_lo + BLOCK_KB, b_hi, BLOCK_KB):
+        start = kb0 + chunk
         byte = start[:, None] + v[None, :]
         grp = start // (GROUP_SIZE // 2)
-        cm = start < b_hi  # chunks never straddle b_hi: rows and splits are whole chunks
-        if EVEN_K:
-            xv = tl.load(xw_ptr + byte)
-        else:
-            xv = tl.load(xw_ptr + byte, mask=cm[:, None], other=0)
-        xe, xo = _x_pairs(xv, X_KIND)
-        if NORM:
-            we, wo = _x_pairs(tl.load(nw_ptr + byte, mask=cm[:, None], other=0), X_KIND)
-            xe = _round_words(we * (xe * inv), X_KIND)
-            xo = _round_words(wo * (xo * inv), X_KIND)
-        if SILU:
-            ue, uo = _x_pairs(tl.load(xw_ptr + KB + byte, mask=cm[:, None], other=0), X_KIND)
-            xe = _round_words(_silu_mul(xe, ue), X_KIND)
-            xo = _round_words(_silu_mul(xo, uo), X_KIND)
-        even_sum = tl.sum(xe, axis=1)
-        odd_sum = tl.sum(xo, axis=1)
-        xsum = even_sum + odd_sum
-        magic_xsum = even_sum * 128.0 + odd_sum * 2048.0  # unused (and not computed) where EXACT
-        e0, e1, e2, e3 = _quarters(xe, BLOCK_KB // 16, 16)
-        o0, o1, o2, o3 = _quarters(xo, BLOCK_KB // 16, 16)
-        a0 = _dot_row_w4(a0, w_ptr + i0 * stride_wn, scale_ptr + i0 * stride_sn, min_ptr + i0 * stride_sn,
-                         byte, grp, e0, e1, e2, e3, o0, o1, o2, o3, xsum, magic_xsum, cm, EVEN_K, BLOCK_KB // 16,
-                         ASM, EXACT)
+        cm = start < b_hi
+        e0, e1, e2, e3, o0, o1, o2, o3, xsum, magic_xsum = _x_step_w4(xw_ptr, nw_ptr, KB, byte, cm, inv, X_KIND,
+                                                                      NORM, SILU, EVEN_K, C)
+        w0, sc0, mn0 = _load_row_w4(r0, s0, m0, byte, grp, cm, EVEN_K)
+        a0 = _dot_loaded_w4(a0, w0, sc0, mn0, e0, e1, e2, e3, o0, o1, o2, o3, xsum, magic_xsum, C, ASM, EXACT)
         if ROWS > 1:
-            a1 = _dot_row_w4(a1, w_ptr + i1 * stride_wn, scale_ptr + i1 * stride_sn, min_ptr + i1 * stride_sn,
-                             byte, grp, e0, e1, e2, e3, o0, o1, o2, o3, xsum, magic_xsum, cm, EVEN_K, BLOCK_KB // 16,
-                             ASM, EXACT)
+            w1, sc1, mn1 = _load_row_w4(r1, s1, m1, byte, grp, cm, EVEN_K)
+            a1 = _dot_loaded_w4(a1, w1, sc1, mn1, e0, e1, e2, e3, o0, o1, o2, o3, xsum, magic_xsum, C, ASM, EXACT)
         if ROWS > 2:
-            a2 = _dot_row_w4(a2, w_ptr + i2 * stride_wn, scale_ptr + i2 * stride_sn, min_ptr + i2 * stride_sn,
-                             byte, grp, e0, e1, e2, e3, o0, o1, o2, o3, xsum, magic_xsum, cm, EVEN_K, BLOCK_KB // 16,
-                             ASM, EXACT)
-            a3 = _dot_row_w4(a3, w_ptr + i3 * stride_wn, scale_ptr + i3 * stride_sn, min_ptr + i3 * stride_sn,
-                             byte, grp, e0, e1, e2, e3, o0, o1, o2, o3, xsum, magic_xsum, cm, EVEN_K, BLOCK_KB // 16,
-                             ASM, EXACT)
+            w2, sc2, mn2 = _load_row_w4(r2, s2, m2, byte, grp, cm, EVEN_K)
+            a2 = _dot_loaded_w4(a2, w2, sc2, mn2, e0, e1, e2, e3, o0, o1, o2, o3, xsum, magic_xsum, C, ASM, EXACT)
+            w3, sc3, mn3 = _load_row_w4(r3, s3, m3, byte, grp, cm, EVEN_K)
+            a3 = _dot_loaded_w4(a3, w3, sc3, mn3, e0, e1, e2, e3, o0, o1, o2, o3, xsum, magic_xsum, C, ASM, EXACT)
     y = _rows_result(tl.sum(a0, axis=0), tl.sum(a1, axis=0), tl.sum(a2, axis=0), tl.sum(a3, axis=0))
     _gemv_store(y, n, N, pid_n, pid_k, num_splits, bias_ptr, out_ptr, part_ptr, counters_ptr, res_ptr, HAS_BIAS,
                 SPLIT, RESIDUAL, GATED, ROWS)

@@ -23,14 +23,20 @@ def _rotate(ptr, stride_t, stride_h, t, n_heads, cos, sin, j, jm, HALF: tl.const
 
 
 @triton.jit
-def _rope_token(q_ptr, k_ptr, pos_ptr, cs_ptr, t, n_q, n_k, stride_qt, stride_qh, stride_kt, stride_kh, stride_cs,
-                HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr):
-    """Token t's q and k heads, rotated in place (each thread loads and stores the same elements)."""
+def _rope_angles(pos_ptr, cs_ptr, t, stride_cs, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """Token t's cos and sin rows [1, BLOCK_HALF], the channel indices j and their mask."""
     pos = tl.load(pos_ptr + t).to(tl.int64)
     j = tl.arange(0, BLOCK_HALF)
     jm = j < HALF
     cos = tl.load(cs_ptr + pos * stride_cs + j, mask=jm, other=0.0)[None, :]
     sin = tl.load(cs_ptr + pos * stride_cs + HALF + j, mask=jm, other=0.0)[None, :]
+    return cos, sin, j, jm
+
+
+@triton.jit
+def _rope_token(q_ptr, k_ptr, cos, sin, j, jm, t, n_q, n_k, stride_qt, stride_qh, stride_kt, stride_kh,
+                HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Token t's q and k heads, rotated in place (each thread loads and stores the same elements)."""
     _rotate(q_ptr, stride_qt, stride_qh, t, n_q, cos, sin, j, jm, HALF, BLOCK_H)
     _rotate(k_ptr, stride_kt, stride_kh, t, n_k, cos, sin, j, jm, HALF, BLOCK_H)
 
@@ -40,8 +46,8 @@ def _rope_kernel(q_ptr, k_ptr, pos_ptr, cs_ptr, n_q, n_k, stride_qt, stride_qh, 
                  HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
     pdl_begin(PDL)
     t = tl.program_id(0).to(tl.int64)
-    _rope_token(q_ptr, k_ptr, pos_ptr, cs_ptr, t, n_q, n_k, stride_qt, stride_qh, stride_kt, stride_kh, stride_cs,
-                HALF, BLOCK_HALF, BLOCK_H)
+    cos, sin, j, jm = _rope_angles(pos_ptr, cs_ptr, t, stride_cs, HALF, BLOCK_HALF)
+    _rope_token(q_ptr, k_ptr, cos, sin, j, jm, t, n_q, n_k, stride_qt, stride_qh, stride_kt, stride_kh, HALF, BLOCK_H)
 
 
 def rope_launch_args(q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor) -> tuple[tuple, dict]:
