@@ -287,6 +287,10 @@ _GEMV, _MATMUL = ("gemv", 1, 4, 32, 3), ("matmul", 16, 32, 32, 2)
                          + [("w4", "silu+residual", torch.float16, 1, ("gemv", 1, 2, 64, 2))]  # 2 rows a program
                          + [(fmt, "norm+silu out", torch.float16, 1, cfg) for fmt in ("w8", "w4")
                             for cfg in (("gemv", 1, 2, 64, 2), ("gemv", 1, 1, 32, 1))]  # 1 row: runs as 2
+                         # one step holds the whole row (block_k >= K), its first weights loaded before the wait
+                         + [(fmt, "norm", torch.float16, 1, ("gemv", 1, 4, 64, 1)) for fmt in ("dense", "w8", "w4")]
+                         + [(fmt, form, dt, 1, ("gemv", 1, 4, 128, 1)) for fmt, form, dt in
+                            (("w4", "norm+silu out", torch.float16), ("w8", "norm", torch.float32))]
                          + [(fmt, "residual", torch.float16, 6, _MATMUL) for fmt in ("w8", "w4")]
                          + [("w8", "silu+residual", torch.float32, 6, _MATMUL), ("w4", "norm", torch.float16, 6, _MATMUL)]
                          + [("w8", "silu out", torch.float16, 6, _MATMUL)])
