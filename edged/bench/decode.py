@@ -26,6 +26,7 @@ from edged.models.runtime_weights import build_weights, random_named_weights
 
 CONTEXT = 512  # tokens already in each sequence's cache when timing starts
 BLOCK = 16
+SHORT_WINDOW_MS = 50.0  # a row timed over less swings with GPU clocks and host hiccups (SmolLM2, 32 steps)
 
 
 @dataclass
@@ -279,7 +280,11 @@ def format_peers(peers: dict[tuple[str, int], float | None], peer: str = "transf
     return "\n".join(lines)
 
 
-def format_table(bw: float, results: list[DecodeResult], peers: dict[tuple[str, int], float]) -> str:
+def format_table(bw: float, results: list[DecodeResult], peers: dict[tuple[str, int], float],
+                 steps: int | None = None) -> str:
+    """The decode table; with `steps`, rows timed over less than SHORT_WINDOW_MS end in "*" and a note
+    says so."""
+    short = 0
     lines = [f"copy bandwidth: {bw / 1e12:.2f} TB/s (read + write); context {CONTEXT} tokens; bfloat16 activations",
              f"{'shape':<14}{'quant':<6}{'batch':>6}{'tok/s':>11}{'step ms':>9}{'weights GB':>11}"
              f"{'roofline tok/s':>15}{'of roofline':>12}{'kernels/step':>13}{'/layer':>7}{'peer tok/s':>11}"]
@@ -287,9 +292,14 @@ def format_table(bw: float, results: list[DecodeResult], peers: dict[tuple[str, 
         peer = peers.get((r.shape, r.batch)) if r.quant == "none" else None
         count = "-" if r.kernels is None else str(r.kernels)
         per_layer = "-" if r.kernels_per_layer is None else f"{r.kernels_per_layer:.1f}"
+        mark = " *" if steps is not None and steps * r.step_ms < SHORT_WINDOW_MS else ""
+        short += bool(mark)
         lines.append(f"{r.shape:<14}{r.quant:<6}{r.batch:>6}{r.tok_s:>11,.0f}{r.step_ms:>9.3f}{r.weight_gb:>11.2f}"
                      f"{r.roofline_tok_s:>15,.0f}{r.fraction:>11.0%}{count:>13}{per_layer:>7}"
-                     f"{'' if peer is None else f'{peer:>11,.0f}'}")
+                     f"{'' if peer is None else f'{peer:>11,.0f}'}{mark}")
+    if short:
+        lines.append(f"* timed over less than {SHORT_WINDOW_MS:.0f} ms ({steps} steps): such a row swings with GPU "
+                     f"clocks and host hiccups; raise --steps for a figure to quote")
     return "\n".join(lines)
 
 
@@ -322,7 +332,7 @@ def run_decode_bench(args: argparse.Namespace) -> int:
     quants = [q for q in args.quant.split(",") if q]
     batches = [int(b) for b in args.batch.split(",") if b]
     bw, results = run_decode(shapes, quants, batches, args.steps)
-    print(format_table(bw, results, {}), flush=True)
+    print(format_table(bw, results, {}, args.steps), flush=True)
     if getattr(args, "engine", False):
         print(format_engine(shapes, quants, batches, args.steps), flush=True)
     if args.peer == "gpt-fast":
