@@ -97,6 +97,12 @@ def _gemv_rows(pid_n, N, ROWS: tl.constexpr, GATED: tl.constexpr):
 
 
 @triton.jit
+def _row_ptrs(base, i0, i1, i2, i3, stride):
+    """Pointers to rows i0..i3 of a row-major tensor (weights, scales, minimums)."""
+    return base + i0 * stride, base + i1 * stride, base + i2 * stride, base + i3 * stride
+
+
+@triton.jit
 def _gated_epilogue(y, idx, N, pid_n, bias_ptr, out_ptr, HAS_BIAS: tl.constexpr, ROWS: tl.constexpr):
     """silu(gate) * up of the program's ROWS // 2 outputs from its [gates, ups] row results: each rounded
     to the output dtype first (linear's output), as silu_and_mul reads them."""
@@ -270,14 +276,9 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr, 
     pid_k = tl.program_id(1)
     # rows past N are clamped to valid rows (valid loads) and masked at the store
     i0, i1, i2, i3, n = _gemv_rows(pid_n, N, ROWS, GATED)
-    r0 = w_ptr + i0 * stride_wn
-    r1 = w_ptr + i1 * stride_wn
-    r2 = w_ptr + i2 * stride_wn
-    r3 = w_ptr + i3 * stride_wn
-    s0, s1, s2, s3 = scale_ptr + i0 * stride_sn, scale_ptr + i1 * stride_sn, scale_ptr + i2 * stride_sn, \
-        scale_ptr + i3 * stride_sn
-    m0, m1, m2, m3 = min_ptr + i0 * stride_sn, min_ptr + i1 * stride_sn, min_ptr + i2 * stride_sn, \
-        min_ptr + i3 * stride_sn
+    r0, r1, r2, r3 = _row_ptrs(w_ptr, i0, i1, i2, i3, stride_wn)
+    s0, s1, s2, s3 = _row_ptrs(scale_ptr, i0, i1, i2, i3, stride_sn)
+    m0, m1, m2, m3 = _row_ptrs(min_ptr, i0, i1, i2, i3, stride_sn)
     C: tl.constexpr = BLOCK_K // VEC
     chunk = tl.arange(0, C) * VEC
     col = chunk[:, None] + tl.arange(0, VEC)[None, :]
@@ -452,11 +453,9 @@ def _gemv_w4_kernel(xw_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_p
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     i0, i1, i2, i3, n = _gemv_rows(pid_n, N, ROWS, GATED)
-    r0, r1, r2, r3 = w_ptr + i0 * stride_wn, w_ptr + i1 * stride_wn, w_ptr + i2 * stride_wn, w_ptr + i3 * stride_wn
-    s0, s1, s2, s3 = scale_ptr + i0 * stride_sn, scale_ptr + i1 * stride_sn, scale_ptr + i2 * stride_sn, \
-        scale_ptr + i3 * stride_sn
-    m0, m1, m2, m3 = min_ptr + i0 * stride_sn, min_ptr + i1 * stride_sn, min_ptr + i2 * stride_sn, \
-        min_ptr + i3 * stride_sn
+    r0, r1, r2, r3 = _row_ptrs(w_ptr, i0, i1, i2, i3, stride_wn)
+    s0, s1, s2, s3 = _row_ptrs(scale_ptr, i0, i1, i2, i3, stride_sn)
+    m0, m1, m2, m3 = _row_ptrs(min_ptr, i0, i1, i2, i3, stride_sn)
     C: tl.constexpr = BLOCK_KB // 16
     chunk = tl.arange(0, C) * 16
     v = tl.arange(0, 16)

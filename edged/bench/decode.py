@@ -284,7 +284,7 @@ def format_table(bw: float, results: list[DecodeResult], peers: dict[tuple[str, 
                  steps: int | None = None) -> str:
     """The decode table; with `steps`, rows timed over less than SHORT_WINDOW_MS end in "*" and a note
     says so."""
-    short = 0
+    short = False
     lines = [f"copy bandwidth: {bw / 1e12:.2f} TB/s (read + write); context {CONTEXT} tokens; bfloat16 activations",
              f"{'shape':<14}{'quant':<6}{'batch':>6}{'tok/s':>11}{'step ms':>9}{'weights GB':>11}"
              f"{'roofline tok/s':>15}{'of roofline':>12}{'kernels/step':>13}{'/layer':>7}{'peer tok/s':>11}"]
@@ -293,7 +293,7 @@ def format_table(bw: float, results: list[DecodeResult], peers: dict[tuple[str, 
         count = "-" if r.kernels is None else str(r.kernels)
         per_layer = "-" if r.kernels_per_layer is None else f"{r.kernels_per_layer:.1f}"
         mark = " *" if steps is not None and steps * r.step_ms < SHORT_WINDOW_MS else ""
-        short += bool(mark)
+        short = short or bool(mark)
         lines.append(f"{r.shape:<14}{r.quant:<6}{r.batch:>6}{r.tok_s:>11,.0f}{r.step_ms:>9.3f}{r.weight_gb:>11.2f}"
                      f"{r.roofline_tok_s:>15,.0f}{r.fraction:>11.0%}{count:>13}{per_layer:>7}"
                      f"{'' if peer is None else f'{peer:>11,.0f}'}{mark}")
