@@ -132,9 +132,10 @@ class QuicConfig:
     # reno-floor: New Reno whose window stays >= 10 datagrams (edged/server/quic_congestion.py says why)
     congestion_control: str = _f("reno-floor", choices=("reno-floor", "reno", "cubic"))
     # 1-RTT datagrams up to this size are sent twice while the connection is application-limited (a
-    # token stream): quic_redundancy.py; 0: off
-    duplicate_datagram_bytes: int = _f(0, ge=0, le=1500)
+    # token stream) and has lost a packet in the last duplicate_after_loss_s: quic_redundancy.py; 0: off
+    duplicate_datagram_bytes: int = _f(1500, ge=0, le=1500)
     duplicate_delay_ms: float = _f(2.0, ge=0, le=100)  # the second copy this much later
+    duplicate_after_loss_s: float = _f(30.0, ge=0)  # 0: copy whether or not the connection has lost any
 
 
 @dataclass(slots=True)
@@ -642,7 +643,7 @@ def apply_overrides(config: Config, *, listen: str | None = None, state_dir: str
 # Keys (or prefixes) whose change takes effect only after a restart; everything else applies live.
 RESTART_REQUIRED = ("model", "server.listen", "server.workers", "server.tcp", "server.certfile", "server.keyfile",
                     "server.state_dir", "server.quic.congestion_control", "server.quic.duplicate_datagram_bytes",
-                    "server.quic.duplicate_delay_ms", "cache.host_spill_bytes",
+                    "server.quic.duplicate_delay_ms", "server.quic.duplicate_after_loss_s", "cache.host_spill_bytes",
                     "scheduler.pin_threads")
 
 

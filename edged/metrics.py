@@ -225,7 +225,7 @@ class EdgedMetrics:
                                        registry=r)
         # accepted, accepted_after_retry, retry_sent, retry_invalid, refused_total, refused_per_address,
         # handshake_timeout, resumed, early_data_accepted, early_data_run, early_data_held, ticket_found,
-        # ticket_unknown (h3_server.py, quic_listener.py)
+        # ticket_unknown, datagram_copies_started (h3_server.py, quic_listener.py)
         self.quic_connections = Counter("edged_quic_connection_events", "QUIC connection admission and 0-RTT events",
                                         ["event"], registry=r)
         self.quic_migrations = Counter("edged_quic_migrations", "QUIC connections that moved to a new client address",

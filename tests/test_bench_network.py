@@ -25,13 +25,14 @@ def test_quick_run_applies_loss_and_reports_both_protocols(tmp_path: Path, tiny_
                        capture_output=True, text=True, timeout=120, check=False)
     assert r.returncode == 0, r.stdout + r.stderr
     table = r.stdout
-    assert "ttft p50" in table and "gap p99" in table and "h3/reno" in table and "h2/bbr" in table, table
+    h3 = "h3/reno-floor+dup1500/loss"  # the daemon's defaults: reno-floor, datagrams sent twice after a loss
+    assert "ttft p50" in table and "gap p99" in table and h3 in table and "h2/bbr" in table, table
     assert "returning client" in table and "h3 0-RTT" in table, table
 
     report = json.loads(out.read_text())
     assert report["config"]["losses_pct"] == [10] and report["config"]["delays_ms"] == [0.0]
     cases = {c["proto"]: c for c in report["cases"]}
-    assert set(cases) == {"h3/reno", "h2/bbr"}
+    assert set(cases) == {h3, "h2/bbr"}
     for proto, c in cases.items():
         assert c["loss_pct"] == 10 and c["errors"] == 0 and c["streams"] == 4, c  # --quick: 4 streams, 1 run
         for key in ("ttft_p50_ms", "ttft_p99_ms", "gap_p99_ms", "gap_max_ms", "total_s"):

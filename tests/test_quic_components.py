@@ -359,6 +359,64 @@ def test_only_small_short_header_datagrams_of_a_light_sender_are_sent_twice() ->
     assert dup.copies_sent == 1 and dup.get_extra_info("sockname") == ("127.0.0.1", 4433)  # the rest delegates
 
 
+def test_small_datagrams_go_twice_only_after_the_connection_has_lost_one(certs) -> None:
+    """The default rule: a clean connection sends every datagram once. Once datagrams of the server's
+    went missing (dropped at the client's socket) and its loss recovery declared them lost, the
+    connection's next streams are sent twice, counted once as an event; every answer is whole."""
+    from edged.server.h3_server import serve
+    from edged.server.quic_redundancy import DuplicatingTransport
+    from edged.server.routes import Router
+
+    def body(word: str) -> bytes:  # a prompt of its own per request: no answer comes from the result cache
+        return (b'{"messages":[{"role":"user","content":"' + word.encode() +
+                b'"}],"temperature":0,"max_tokens":24,"stream":true}')
+
+    async def scenario() -> tuple[list[int], list[bytes], list[int], list[str]]:
+        settings = ServerSettings(quic_duplicate_delay_s=0.001)
+        assert settings.quic_duplicate_datagram_bytes == 1500 and settings.quic_duplicate_after_loss_s > 0
+        srv = await serve(Router(FakeEngine(max_model_len=256), settings), "127.0.0.1", 0, *certs)
+        events: list[str] = []
+        srv.quic_event = events.append
+        copies, bodies, dropped = [], [], []
+        try:
+            async with H3Client("127.0.0.1", srv.port, ca_file=certs[0]) as c:
+                def sent_twice() -> int:
+                    return sum(t.copies_sent for p in srv._quic_server._protocols.values()
+                               if isinstance(t := p._transport, DuplicatingTransport))
+
+                async def ask(word: str) -> None:
+                    r = await c.request("POST", "/v1/chat/completions", {"content-type": "application/json"},
+                                        body(word))
+                    assert r.status == 200
+                    bodies.append(r.body)
+                    copies.append(sent_twice())
+
+                await ask("one")
+                protocol = c._protocol
+                receive = protocol.datagram_received
+
+                def lossy(data: bytes, addr: object) -> None:  # the next three 1-RTT datagrams of stream
+                    if len(dropped) < 3 and len(data) > 100 and not data[0] & 0x80:  # data never arrive (not ACKs)
+                        dropped.append(len(data))
+                        return
+                    receive(data, addr)
+
+                protocol.datagram_received = lossy
+                await ask("two")
+                await ask("three")
+        finally:
+            srv.close()
+            await srv.wait_closed()
+        return copies, bodies, dropped, events
+
+    copies, bodies, dropped, events = run(scenario())
+    assert copies[0] == 0  # no loss yet: nothing sent twice
+    assert len(dropped) == 3 and copies[2] > copies[1] >= 0  # after the loss: the next stream goes twice
+    assert events.count("datagram_copies_started") == 1
+    for sse in bodies:
+        assert sse.count(b'"content":') > 3 and sse.rstrip().endswith(b"data: [DONE]")
+
+
 def test_a_stream_over_duplicated_datagrams_has_the_same_text(certs) -> None:
     """The 1-RTT datagrams of a light connection arrive twice: the client discards the copies
     (RFC 9000 12.3) and the streamed text equals a run without them."""
@@ -382,7 +440,8 @@ def test_a_stream_over_duplicated_datagrams_has_the_same_text(certs) -> None:
             await srv.wait_closed()
 
     plain, none = run(text(ServerSettings(quic_duplicate_datagram_bytes=0)))
-    twice, copies = run(text(ServerSettings(quic_duplicate_datagram_bytes=1500, quic_duplicate_delay_s=0.001)))
+    twice, copies = run(text(ServerSettings(quic_duplicate_datagram_bytes=1500, quic_duplicate_delay_s=0.001,
+                                            quic_duplicate_after_loss_s=0)))  # copy loss or not
     assert none == 0 and copies > 0
 
     def contents(sse: bytes) -> list[bytes]:  # the deltas' text (ids and timestamps differ between runs)

@@ -34,7 +34,7 @@ from typing import Any
 
 TIER = "bench"
 SERVER_PORT = 4433  # inside the daemon's own namespace: always free
-QUIC_CCS = ("reno", "cubic", "reno-floor")  # aioquic's two, and lab_daemon.py's variant
+QUIC_CCS = ("reno", "cubic", "reno-floor")  # aioquic's two, and edged's (server/quic_congestion.py)
 
 
 @dataclass(slots=True)
@@ -44,8 +44,9 @@ class NetworkConfig:
     streams: int = 8
     max_tokens: int = 256
     reps: int = 3
-    quic_ccs: list[str] = field(default_factory=lambda: ["reno"])
-    quic_duplicates: list[int] = field(default_factory=lambda: [0])  # server.quic.duplicate_datagram_bytes
+    quic_ccs: list[str] = field(default_factory=lambda: ["reno-floor"])
+    quic_duplicates: list[int] = field(default_factory=lambda: [1500])  # server.quic.duplicate_datagram_bytes
+    quic_after_loss_s: list[float] = field(default_factory=lambda: [30.0])  # server.quic.duplicate_after_loss_s
     returning_reps: int = 5
     quic_initial_rtt_ms: float | None = None
     step_ms: float = 20.0
@@ -71,15 +72,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=int,
                    help="tokens per stream (greedy, ignore_eos: exactly this many; default: 256)")
     p.add_argument("--reps", type=int, help="runs per case; the statistics pool every stream of every run (default: 3)")
-    p.add_argument("--quic-cc", default="reno",
+    p.add_argument("--quic-cc", default="reno-floor",
                    help="the daemon's QUIC congestion control, comma-separated to compare: reno, cubic (aioquic's "
-                        "two), reno-floor (New Reno whose window never drops below the initial 10 datagrams: a "
-                        "lab variant); the HTTP/3 cases run once per value, the daemon restarted for each "
-                        "(default: %(default)s, aioquic's default)")
-    p.add_argument("--quic-duplicate", default="0", metavar="BYTES",
+                        "two), reno-floor (New Reno whose window never drops below the initial 10 datagrams); "
+                        "the HTTP/3 cases run once per value, the daemon restarted for each (default: "
+                        "%(default)s, the daemon's default)")
+    p.add_argument("--quic-duplicate", default="1500", metavar="BYTES",
                    help="the daemon's server.quic.duplicate_datagram_bytes (1-RTT datagrams up to this size sent "
                         "twice; 0: off), comma-separated to compare: the HTTP/3 cases run once per congestion "
-                        "control and value (default: %(default)s)")
+                        "control and value (default: %(default)s, the daemon's default)")
+    p.add_argument("--quic-duplicate-after-loss", default="30", metavar="SECONDS",
+                   help="the daemon's server.quic.duplicate_after_loss_s (copies only this long after a "
+                        "connection's last loss; 0: loss or not), comma-separated to compare: once more per "
+                        "value where --quic-duplicate is not 0 (default: %(default)s, the daemon's default)")
     p.add_argument("--tcp-cc", metavar="NAME",
                    help="the kernel's TCP congestion control in both namespaces, for HTTP/2: one of "
                         "net.ipv4.tcp_allowed_congestion_control (default: the host's default, which a new "
@@ -129,6 +134,8 @@ def config_from_args(args: argparse.Namespace) -> NetworkConfig:
                         streams=args.streams, max_tokens=args.tokens, reps=args.reps,
                         quic_ccs=[c.strip() for c in args.quic_cc.split(",") if c.strip()],
                         quic_duplicates=parse_list(args.quic_duplicate, "--quic-duplicate", int),
+                        quic_after_loss_s=parse_list(args.quic_duplicate_after_loss, "--quic-duplicate-after-loss",
+                                                     float),
                         returning_reps=args.returning_reps, quic_initial_rtt_ms=args.quic_initial_rtt, step_ms=args.step_ms,
                         tcp_cc=args.tcp_cc, warm_up=not args.quick,
                         model=args.model, ready_timeout_s=args.ready_timeout)
@@ -148,6 +155,8 @@ def config_from_args(args: argparse.Namespace) -> NetworkConfig:
         raise ValueError(f"--quic-cc: one or more of {', '.join(QUIC_CCS)}, got {args.quic_cc!r}")
     if any(not 0 <= v <= 1500 for v in cfg.quic_duplicates) or not cfg.quic_duplicates:
         raise ValueError(f"--quic-duplicate: datagram sizes from 0 (off) to 1500, got {args.quic_duplicate!r}")
+    if any(v < 0 for v in cfg.quic_after_loss_s):
+        raise ValueError(f"--quic-duplicate-after-loss: seconds, 0 or more, got {args.quic_duplicate_after_loss!r}")
     if cfg.model and not Path(cfg.model).exists():
         raise ValueError(f"--model: {cfg.model} does not exist")
     return cfg
@@ -258,18 +267,21 @@ class NetworkRun:
             env[INITIAL_RTT_ENV] = str(self.cfg.quic_initial_rtt_ms)
         return env
 
-    def variant_config(self, duplicate: int) -> Path:
-        """A copy of config.yaml with server.quic.duplicate_datagram_bytes set."""
+    def variant_config(self, duplicate: int, after_loss_s: float) -> Path:
+        """A copy of config.yaml with server.quic.duplicate_datagram_bytes and duplicate_after_loss_s set."""
         import yaml
 
         data = yaml.safe_load(self.config_path.read_text())
-        data["server"].setdefault("quic", {})["duplicate_datagram_bytes"] = duplicate
-        path = self.config_path.with_name(f"config-duplicate-{duplicate}.yaml")
+        quic = data["server"].setdefault("quic", {})
+        quic["duplicate_datagram_bytes"] = duplicate
+        quic["duplicate_after_loss_s"] = after_loss_s
+        path = self.config_path.with_name(f"config-duplicate-{duplicate}-{after_loss_s:g}.yaml")
         path.write_text(yaml.safe_dump(data, sort_keys=False))
         return path
 
-    def run_variant(self, cc: str, duplicate: int, first: bool) -> None:
-        """A daemon with QUIC congestion control `cc` (and small datagrams sent twice when `duplicate`),
+    def run_variant(self, cc: str, duplicate: int, after_loss_s: float, first: bool) -> None:
+        """A daemon with QUIC congestion control `cc` (and small datagrams sent twice when `duplicate`, for
+        after_loss_s after a connection's last loss, or always if 0),
         every case over HTTP/3 (and HTTP/2 and the returning client on the `first` daemon only: they do
         not depend on it), SIGTERM."""
         from edged.bench.netns_lab import SERVER_ADDR
@@ -277,13 +289,14 @@ class NetworkRun:
         self.lab.set_delay(0)
         self.lab.set_loss(0)
         t = time.perf_counter()
-        daemon = start_daemon(self.lab.netns_exec(self.lab.server_ns), self.variant_config(duplicate),
+        daemon = start_daemon(self.lab.netns_exec(self.lab.server_ns), self.variant_config(duplicate, after_loss_s),
                               self.daemon_env(cc))
         try:
             daemon.wait_ready(self.cfg.ready_timeout_s)
             _say(f"edged ready in its namespace at {SERVER_ADDR}:{SERVER_PORT} in {time.perf_counter() - t:.1f} s "
-                 f"(QUIC congestion control: {cc}, datagrams sent twice up to {duplicate} bytes)")
-            h3 = f"h3/{cc}" + (f"+dup{duplicate}" if duplicate else "")
+                 f"(QUIC congestion control: {cc}, datagrams sent twice up to {duplicate} bytes"
+                 + (f", {after_loss_s:g} s after a loss)" if duplicate and after_loss_s else ")"))
+            h3 = f"h3/{cc}" + (f"+dup{duplicate}" if duplicate else "") + ("/loss" if duplicate and after_loss_s else "")
             protos = [("h3", h3)] + ([("h2", f"h2/{self.tcp_cc}")] if first else [])
             if self.cfg.warm_up:  # not counted: the first batch of a fresh daemon is slow
                 for proto, _ in protos:
@@ -370,9 +383,10 @@ def run_network(cfg: NetworkConfig, workdir: Path) -> dict[str, Any]:
         client = ClientProcess.start(lab.netns_exec(lab.client_ns), SERVER_ADDR, SERVER_PORT, ca_file)
         run = NetworkRun(cfg, lab, client, config_path, lab.tcp_congestion_control(), loads=[load_average()])
         try:
-            variants = [(cc, dup) for cc in cfg.quic_ccs for dup in cfg.quic_duplicates]
-            for k, (cc, dup) in enumerate(variants):
-                run.run_variant(cc, dup, first=k == 0)
+            variants = [(cc, dup, after) for cc in cfg.quic_ccs for dup in cfg.quic_duplicates
+                        for after in (cfg.quic_after_loss_s if dup else [0.0])]
+            for k, (cc, dup, after) in enumerate(variants):
+                run.run_variant(cc, dup, after, first=k == 0)
         finally:
             client.close()
         if lab.wire is not None and lab.wire.error is not None:
@@ -382,7 +396,7 @@ def run_network(cfg: NetworkConfig, workdir: Path) -> dict[str, Any]:
     checks = acceptance(run.cases, run.returning)
     meta = {"losses_pct": cfg.losses, "delays_ms": cfg.delays_ms, "streams": cfg.streams, "tokens": cfg.max_tokens,
             "reps": cfg.reps, "step_ms": cfg.step_ms, "stall_ms": cfg.stall_ms, "quic_ccs": cfg.quic_ccs,
-            "quic_duplicate_datagram_bytes": cfg.quic_duplicates,
+            "quic_duplicate_datagram_bytes": cfg.quic_duplicates, "quic_duplicate_after_loss_s": cfg.quic_after_loss_s,
             "quic_initial_rtt_ms": cfg.quic_initial_rtt_ms, "tcp_congestion_control": run.tcp_cc,
             "model": cfg.model or "tiny random-weight (default tokenizer)", "cpus": os.cpu_count(),
             "load_average_1m": run.loads, "duration_s": round(time.perf_counter() - started, 1)}

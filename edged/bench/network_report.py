@@ -159,14 +159,15 @@ def _f(v: Any, width: int) -> str:
 
 def format_table(cases: list[CaseSummary], returning: list[ReturningSummary], checks: list[dict[str, Any]],
                  streams: int, stall_ms: float) -> str:
-    head = (f"{'protocol':<21} {'loss%':>5} {'+delay':>6} {'ok':>5} {'err':>3} {'ttft p50':>8} {'ttft p99':>8} "
+    w = max([21] + [len(c.proto) for c in cases])  # the protocol column fits the longest variant label
+    head = (f"{'protocol':<{w}} {'loss%':>5} {'+delay':>6} {'ok':>5} {'err':>3} {'ttft p50':>8} {'ttft p99':>8} "
             f"{'gap p50':>7} {'gap p99':>7} {'gap max':>7} {'slowest':>7} {'stall%':>6} {'str/st':>6} {'total s':>7} "
             f"{'conn ms':>7} {'drops':>6}")
     title = (f"{streams} streams on one connection, times in ms unless marked. slowest: the longest stall of each "
              f"run's slowest stream; stall%: gaps over {stall_ms:g} ms; str/st: streams held up per stall")
     lines = [title, head, "-" * len(head)]
     for c in cases:
-        lines.append(f"{c.proto:<21} {c.loss_pct:>5} {c.delay_ms:>6g} {c.streams:>5} {c.errors:>3} "
+        lines.append(f"{c.proto:<{w}} {c.loss_pct:>5} {c.delay_ms:>6g} {c.streams:>5} {c.errors:>3} "
                      f"{_f(c.ttft_p50_ms, 8)} {_f(c.ttft_p99_ms, 8)} {_f(c.gap_p50_ms, 7)} {_f(c.gap_p99_ms, 7)} "
                      f"{_f(c.gap_max_ms, 7)} {_f(c.slowest_stream_stall_ms, 7)} {_f(c.stalled_pct, 6)} "
                      f"{_f(c.streams_per_stall, 6)} {_f(c.total_s, 7)} "

@@ -43,7 +43,7 @@ from edged.log import fields
 from edged.server import quic_congestion  # noqa: F401  (registers "reno-floor" with aioquic)
 from edged.server.quic_early_data import replay_safe
 from edged.server.quic_listener import EdgedQuicServer
-from edged.server.quic_redundancy import DuplicatingTransport
+from edged.server.quic_redundancy import CopyRule, DuplicatingTransport
 from edged.server.quic_routing import CidRoute
 from edged.server.quic_tickets import TicketStore
 from edged.server.request import HttpRequest, RequestHandler, merge_headers
@@ -151,6 +151,7 @@ class HttpServerProtocol(QuicConnectionProtocol):
         self._keepalive: asyncio.TimerHandle | None = None
         self._header_timers: dict[int, asyncio.TimerHandle] = {}  # streams whose HEADERS frame is incomplete
         self.handshake_done = False
+        self._copied = False  # has this connection sent a datagram twice yet (quic_redundancy.py)
         self._held: list[RequestStream] = []  # early-data requests waiting for the handshake
         self._handshake_timer: asyncio.TimerHandle | None = self._loop.call_later(
             server.settings.quic_handshake_timeout_s, self._handshake_timed_out)
@@ -158,14 +159,21 @@ class HttpServerProtocol(QuicConnectionProtocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         settings = self.server.settings
         if settings.quic_duplicate_datagram_bytes > 0:
+            self._copy_rule = CopyRule(settings.quic_duplicate_after_loss_s)
             transport = DuplicatingTransport(transport, settings.quic_duplicate_datagram_bytes,  # type: ignore[arg-type]
-                                             settings.quic_duplicate_delay_s, self._loop, self._application_limited)
+                                             settings.quic_duplicate_delay_s, self._loop, self._copy_now)
         super().connection_made(transport)
 
-    def _application_limited(self) -> bool:
-        """Less than half the congestion window in flight (aioquic keeps both in its loss recovery)."""
-        loss = self._quic._loss
-        return 2 * loss.bytes_in_flight <= loss.congestion_window
+    def _copy_now(self) -> bool:
+        """Send this small datagram twice? (CopyRule over aioquic's loss recovery.) The first time a
+        connection starts copying is logged and counted."""
+        copy = self._copy_rule.applies(self._quic._loss, self._loop.time())
+        if copy and not self._copied:
+            self._copied = True
+            self.server.quic_event("datagram_copies_started")
+            log.info("small datagrams sent twice from now on %s", fields(
+                cid=self._quic.host_cid.hex(), after_loss=self._copy_rule.after_loss_s > 0))
+        return copy
 
     @property
     def http(self) -> H3Connection:

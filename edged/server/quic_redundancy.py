@@ -9,18 +9,46 @@ need both copies lost: 0.09% of steps instead of 3% at 3% random loss. The recei
 copy it does not need (RFC 9000 12.3: a packet number is processed once), and the sender's loss
 recovery sees one packet, acknowledged when either copy arrives.
 
-Only short-header (1-RTT) datagrams of at most `max_bytes` are copied, and only while the connection
-is application-limited (`light()`: less than half its congestion window in flight, as a token stream
-is): handshake packets and bulk data that fills the window (a long completion, the chat page) go
-once, so the copies never double a sender that the congestion controller is pacing. The cost is the
-copies' bytes and one more send per datagram of a token stream: about twice its upstream packets.
-`server.quic.duplicate_datagram_bytes` sets max_bytes (0: off); `edged bench network` measures it.
+Only short-header (1-RTT) datagrams of at most `max_bytes` are copied, and only when `CopyRule`
+says so: while the connection is application-limited (less than half its congestion window in
+flight, as a token stream is), so handshake packets and bulk data that fills the window (a long
+completion, the chat page) go once and the copies never double a sender that the congestion
+controller is pacing; and, by default, only for `after_loss_s` after the connection's last loss, so
+a clean path carries no copies at all and a lossy one is covered from its first loss on (that one
+loss still costs its streams a repair). The cost where they run is the copies' bytes and one more
+send per datagram of a token stream: about twice its upstream packets.
+`server.quic.duplicate_datagram_bytes` sets max_bytes (0: off), `duplicate_after_loss_s` the memory
+(0: copy from the first datagram, loss or not); `edged bench network` measures both.
 """
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
+
+from aioquic.quic.recovery import QuicPacketRecovery
+
+
+def last_loss_at(recovery: QuicPacketRecovery) -> float:
+    """When the connection's congestion controller last entered recovery (a new loss episode), on the
+    event loop's clock; 0.0 if never. aioquic's reno and cubic (so reno-floor too) keep this time."""
+    return getattr(recovery._cc, "_congestion_recovery_start_time", 0.0)
+
+
+@dataclass(frozen=True, slots=True)
+class CopyRule:
+    """Whether a connection's small datagrams are sent twice now."""
+
+    after_loss_s: float  # only this long after the connection's last loss; 0: loss or not
+
+    def applies(self, recovery: QuicPacketRecovery, now: float) -> bool:
+        if 2 * recovery.bytes_in_flight > recovery.congestion_window:
+            return False  # not application-limited: the congestion controller paces this sender
+        if self.after_loss_s <= 0:
+            return True
+        lost_at = last_loss_at(recovery)
+        return lost_at > 0 and now - lost_at <= self.after_loss_s
 
 
 class DuplicatingTransport:
@@ -28,9 +56,9 @@ class DuplicatingTransport:
     else is the wrapped transport's (the listener shares one among all connections)."""
 
     def __init__(self, transport: asyncio.DatagramTransport, max_bytes: int, delay_s: float,
-                 loop: asyncio.AbstractEventLoop, light: Callable[[], bool] = lambda: True) -> None:
+                 loop: asyncio.AbstractEventLoop, copy_now: Callable[[], bool] = lambda: True) -> None:
         self._transport = transport
-        self._light = light
+        self._copy_now = copy_now  # asked per datagram (CopyRule through the connection)
         self.max_bytes = max_bytes
         self.delay_s = delay_s
         self._loop = loop
@@ -38,7 +66,7 @@ class DuplicatingTransport:
 
     def sendto(self, data: bytes, addr: Any = None) -> None:
         self._transport.sendto(data, addr)
-        if len(data) <= self.max_bytes and data and not data[0] & 0x80 and self._light():  # short header: 1-RTT
+        if len(data) <= self.max_bytes and data and not data[0] & 0x80 and self._copy_now():  # short header: 1-RTT
             if self.delay_s > 0:
                 self._loop.call_later(self.delay_s, self._copy, data, addr)
             else:

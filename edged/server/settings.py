@@ -49,5 +49,6 @@ class ServerSettings:
     quic_retry_above_unvalidated_per_address: int = 8  # unproven handshakes in flight from one IP; more: Retry
     quic_handshake_timeout_s: float = 10.0  # a handshake not complete by then: the connection is closed
     quic_congestion_control: str = "reno-floor"  # aioquic's name; reno-floor: quic_congestion.py
-    quic_duplicate_datagram_bytes: int = 0  # 1-RTT datagrams sent twice when light (quic_redundancy.py); 0: off
+    quic_duplicate_datagram_bytes: int = 1500  # 1-RTT datagrams sent twice (quic_redundancy.py); 0: off
     quic_duplicate_delay_s: float = 0.002
+    quic_duplicate_after_loss_s: float = 30.0  # only this long after the connection's last loss; 0: always

@@ -66,6 +66,7 @@ def server_settings(config: Config, worker: str | None = None) -> ServerSettings
         quic_congestion_control=config.server.quic.congestion_control,
         quic_duplicate_datagram_bytes=config.server.quic.duplicate_datagram_bytes,
         quic_duplicate_delay_s=config.server.quic.duplicate_delay_ms / 1000.0,
+        quic_duplicate_after_loss_s=config.server.quic.duplicate_after_loss_s,
     )
 
 
