@@ -288,6 +288,7 @@ class NetworkRun:
 
         self.lab.set_delay(0)
         self.lab.set_loss(0)
+        after_loss = bool(duplicate and after_loss_s)  # copies only after a connection's loss
         t = time.perf_counter()
         daemon = start_daemon(self.lab.netns_exec(self.lab.server_ns), self.variant_config(duplicate, after_loss_s),
                               self.daemon_env(cc))
@@ -295,8 +296,8 @@ class NetworkRun:
             daemon.wait_ready(self.cfg.ready_timeout_s)
             _say(f"edged ready in its namespace at {SERVER_ADDR}:{SERVER_PORT} in {time.perf_counter() - t:.1f} s "
                  f"(QUIC congestion control: {cc}, datagrams sent twice up to {duplicate} bytes"
-                 + (f", {after_loss_s:g} s after a loss)" if duplicate and after_loss_s else ")"))
-            h3 = f"h3/{cc}" + (f"+dup{duplicate}" if duplicate else "") + ("/loss" if duplicate and after_loss_s else "")
+                 + (f", {after_loss_s:g} s after a loss)" if after_loss else ")"))
+            h3 = f"h3/{cc}" + (f"+dup{duplicate}" if duplicate else "") + ("/loss" if after_loss else "")
             protos = [("h3", h3)] + ([("h2", f"h2/{self.tcp_cc}")] if first else [])
             if self.cfg.warm_up:  # not counted: the first batch of a fresh daemon is slow
                 for proto, _ in protos:

@@ -43,12 +43,13 @@ class CopyRule:
     after_loss_s: float  # only this long after the connection's last loss; 0: loss or not
 
     def applies(self, recovery: QuicPacketRecovery, now: float) -> bool:
-        if 2 * recovery.bytes_in_flight > recovery.congestion_window:
-            return False  # not application-limited: the congestion controller paces this sender
-        if self.after_loss_s <= 0:
-            return True
-        lost_at = last_loss_at(recovery)
-        return lost_at > 0 and now - lost_at <= self.after_loss_s
+        """Asked for every small 1-RTT datagram: the loss test first, false on a clean connection."""
+        if self.after_loss_s > 0:
+            lost_at = last_loss_at(recovery)
+            if lost_at <= 0 or now - lost_at > self.after_loss_s:
+                return False
+        # application-limited only: a sender that fills its window is the congestion controller's to pace
+        return 2 * recovery.bytes_in_flight <= recovery.congestion_window
 
 
 class DuplicatingTransport:
