@@ -13,14 +13,15 @@ Paths, by the number of rows M of x:
   make silu(gate) * up in their epilogue, each program taking gate rows and the matching up rows;
   every GEMV can add the residual in its epilogue.
 - M > 1, w8 / w4: a tiled tl.dot kernel with dequantization in the loop, split over K while the
-  output tiles alone cannot fill the GPU (decode batches). Dense weights from M = 2 on go to cuBLAS.
+  output tiles alone cannot fill the GPU (decode batches), in decode batches with the weight tile as
+  the dot's first operand (_matmul_kernel's SWAP). Dense weights from M = 2 on go to cuBLAS.
   Both dequantize their weight tile in float32 (q * scale + minimum per group) and round it to the
   activation dtype for the dot; a w8 row that is one group (in_features not a multiple of 32) dots
   the raw q (exact in any dtype) and applies scale * dot + minimum * sum(x) after the K loop.
 
-w4 columns are never interleaved in registers: byte j of a row holds columns 2j (low nibble) and
-2j+1 (high nibble), so the kernels multiply the low nibbles with x[0::2] and the high ones with
-x[1::2]; the group of both is (2j) // group_size.
+Byte j of a w4 row holds columns 2j (low nibble) and 2j+1 (high nibble); the group of both is
+(2j) // group_size. They are never interleaved in registers: the kernels multiply the low nibbles
+with x[0::2] and the high ones with x[1::2].
 """
 from __future__ import annotations
 
@@ -520,16 +521,41 @@ def _u8_to(q, dtype: tl.constexpr):
 
 
 @triton.jit
+def _load_chunks(w_tile, s_rows, m_rows, k0, k_hi, ci, CB: tl.constexpr, GROUP_SIZE: tl.constexpr,
+                 MASKED: tl.constexpr):
+    """The weight bytes of K columns k0.. as [rows, chunks of 32 weights, CB bytes], and each chunk's
+    scale and minimum [rows, chunks]. MASKED: chunks from k_hi on read as zeros (a chunk never straddles
+    it: groups are whole chunks)."""
+    start = k0 + ci * 32
+    grp = (start // GROUP_SIZE)[None, :]
+    b_ptrs = w_tile + (k0 // 32) * CB
+    if MASKED:
+        cm = (start < k_hi)[None, :]
+        b = tl.load(b_ptrs, mask=cm[:, :, None], other=0)
+        s = tl.load(s_rows + grp, mask=cm, other=0.0)
+        mn = tl.load(m_rows + grp, mask=cm, other=0.0)
+    else:
+        b = tl.load(b_ptrs)
+        s = tl.load(s_rows + grp)
+        mn = tl.load(m_rows + grp)
+    return b, s, mn
+
+
+@triton.jit
 def _matmul_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr, res_ptr, M, N, K,
                    k_per_split, stride_xm, stride_wn, stride_sn, stride_om, stride_rm,
                    FORMAT: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
                    GROUP_SIZE: tl.constexpr, ROW_GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, RESIDUAL: tl.constexpr,
-                   PDL: tl.constexpr):
+                   SWAP: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
     """x [M, K] @ W^T with W dequantized per tile to x's dtype; program (output tile, k split).
-    For w4 each group is two dots: its low nibbles with x's even columns, high nibbles with odd.
-    w8: GROUP_SIZE divides BLOCK_K, or (ROW_GROUP) the row is one group, whose scale and minimum are
-    applied to the float32 dot of the raw q once at the end."""
+    Grouped w8: tiles of 32-weight chunks, one scale and minimum each. SWAP: the dot is
+    W_tile @ x_tile^T, so the dequantized weights (already in registers) are its first operand, which
+    Hopper's MMA reads from registers, and x^T the one it reads from shared memory (the other way the
+    weight tile makes a round trip through shared memory each step). PREFETCH: the next step's weight
+    tile is loaded before this step's dot (by hand: the pipeliner does not stage loads that are not
+    dot operands). w8 whose row is one group (ROW_GROUP): the float32 dot of the raw q, scaled once at
+    the end."""
     pdl_begin(PDL)
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -546,15 +572,25 @@ def _matmul_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rm_ld = tl.minimum(rm, M - 1)
     rn64 = tl.minimum(rn, N - 1).to(tl.int64)
+    # output coordinates as the accumulator holds them: [BLOCK_N, BLOCK_M] when SWAP
+    if SWAP:
+        om = rm[None, :]
+        on = rn[:, None]
+        om_ld = rm_ld.to(tl.int64)[None, :]
+        on_ld = rn64[:, None]
+    else:
+        om = rm[:, None]
+        on = rn[None, :]
+        om_ld = rm_ld.to(tl.int64)[:, None]
+        on_ld = rn64[None, :]
     x_rows = x_ptr + rm_ld.to(tl.int64)[:, None] * stride_xm
-    w_cols = w_ptr + rn64[None, :] * stride_wn
     dt = x_ptr.dtype.element_ty
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if FORMAT == 2:
         # dequantize [BLOCK_N, BLOCK_K // 32, 16]-byte tiles (one scale per 16-byte chunk, as in the
         # GEMV), then two dots: low nibbles with x's even columns, high nibbles with its odd ones
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         chunk = tl.arange(0, BLOCK_K // 32) * 16
         v = tl.arange(0, 16)
         kx = tl.arange(0, BLOCK_K)
@@ -585,32 +621,48 @@ def _matmul_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr
             acc += tl.dot(xe, tl.trans(lo))
             acc += tl.dot(xo, tl.trans(hi))
     elif FORMAT == 1 and not ROW_GROUP:
-        # as w4: [BLOCK_N, BLOCK_K // GROUP_SIZE, GROUP_SIZE]-byte tiles dequantized in float32 (one
-        # scale and minimum per group), rounded to x's dtype for one dot
-        gi = tl.arange(0, BLOCK_K // GROUP_SIZE)
-        v = tl.arange(0, GROUP_SIZE)
+        CB: tl.constexpr = 32  # bytes of a 32-weight chunk
+        ci = tl.arange(0, BLOCK_K // 32)
+        w_tile = w_ptr + rn64[:, None, None] * stride_wn + (ci[:, None] * CB + tl.arange(0, CB)[None, :])[None, :, :]
+        s_rows = scale_ptr + rn64[:, None] * stride_sn
+        m_rows = min_ptr + rn64[:, None] * stride_sn
         kx = tl.arange(0, BLOCK_K)
-        w_rows = w_ptr + rn64[:, None, None] * stride_wn
+        if SWAP:
+            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            x_tile = x_ptr + rm_ld.to(tl.int64)[None, :] * stride_xm + kx[:, None]
+        else:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            x_tile = x_rows + kx[None, :]
+        if PREFETCH:
+            b, s, mn = _load_chunks(w_tile, s_rows, m_rows, k_lo, k_hi, ci, CB, GROUP_SIZE, not EVEN_K)
         for k0 in range(k_lo, k_hi, BLOCK_K):
-            start = k0 + gi * GROUP_SIZE
-            byte = (start[:, None] + v[None, :])[None, :, :]
-            grp = (start // GROUP_SIZE)[None, :]
-            s_ptrs = scale_ptr + rn64[:, None] * stride_sn + grp
-            m_ptrs = min_ptr + rn64[:, None] * stride_sn + grp
-            if EVEN_K:
-                xt = tl.load(x_rows + k0 + kx[None, :])
-                b = tl.load(w_rows + byte)
-                s = tl.load(s_ptrs).to(tl.float32)
-                mn = tl.load(m_ptrs).to(tl.float32)
+            if PREFETCH:
+                b_next, s_next, mn_next = _load_chunks(w_tile, s_rows, m_rows, k0 + BLOCK_K, k_hi, ci, CB,
+                                                       GROUP_SIZE, True)
             else:
-                gm = (start < k_hi)[None, :]  # groups never straddle k_hi
-                xt = tl.load(x_rows + k0 + kx[None, :], mask=(k0 + kx[None, :]) < k_hi, other=0.0)
-                b = tl.load(w_rows + byte, mask=gm[:, :, None], other=0)
-                s = tl.load(s_ptrs, mask=gm, other=0.0).to(tl.float32)
-                mn = tl.load(m_ptrs, mask=gm, other=0.0).to(tl.float32)
-            wq = small_uint_to_f32(b.to(tl.int32)) * s[:, :, None] + mn[:, :, None]
-            acc += tl.dot(xt, tl.trans(tl.reshape(wq.to(dt), (BLOCK_N, BLOCK_K))))
+                b, s, mn = _load_chunks(w_tile, s_rows, m_rows, k0, k_hi, ci, CB, GROUP_SIZE, not EVEN_K)
+            if EVEN_K:
+                xt = tl.load(x_tile + k0)
+            elif SWAP:
+                xt = tl.load(x_tile + k0, mask=(k0 + kx[:, None]) < k_hi, other=0.0)
+            else:
+                xt = tl.load(x_tile + k0, mask=(k0 + kx[None, :]) < k_hi, other=0.0)
+            # q * scale + minimum in float32, rounded once
+            s3 = s.to(tl.float32)[:, :, None]
+            m3 = mn.to(tl.float32)[:, :, None]
+            bi = b.to(tl.int32)
+            wt = tl.reshape((small_uint_to_f32(bi) * s3 + m3).to(dt), (BLOCK_N, BLOCK_K))
+            if SWAP:
+                acc += tl.dot(wt, xt)
+            else:
+                acc += tl.dot(xt, tl.trans(wt))
+            if PREFETCH:
+                b = b_next
+                s = s_next
+                mn = mn_next
     else:
+        w_cols = w_ptr + rn64[None, :] * stride_wn
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         xs = tl.zeros([BLOCK_M], dtype=tl.float32)
         for k0 in range(k_lo, k_hi, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
@@ -630,15 +682,14 @@ def _matmul_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr
             s = tl.load(scale_ptr + rn64 * stride_sn).to(tl.float32)
             mn = tl.load(min_ptr + rn64 * stride_sn).to(tl.float32)
             acc = acc * s[None, :] + xs[:, None] * mn[None, :]
-    mask = (rm[:, None] < M) & (rn[None, :] < N)
-    out_ptrs = out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
-    res_ptrs = res_ptr + rm_ld.to(tl.int64)[:, None] * stride_rm + rn64[None, :]
+    mask = (om < M) & (on < N)
     if SPLIT:
         # partials in float32, summed by _splitk_reduce_kernel: a tile's partials are too large for one
         # program to sum after the others (measured 1.2-2.3x slower than the separate reduce on an H200)
-        tl.store(part_ptr + pid_k * M * N + rm[:, None] * N + rn[None, :], acc, mask=mask)
+        tl.store(part_ptr + pid_k * M * N + om * N + on, acc, mask=mask)
     else:
-        _epilogue(acc, rn64[None, :], mask, out_ptrs, bias_ptr, res_ptrs, HAS_BIAS, RESIDUAL)
+        _epilogue(acc, on_ld, mask, out_ptr + om.to(tl.int64) * stride_om + on, bias_ptr,
+                  res_ptr + om_ld * stride_rm + on_ld, HAS_BIAS, RESIDUAL)
 
 
 @triton.jit
@@ -670,7 +721,8 @@ def _x_words(x: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True)
 class LinearConfig:
     """Launch parameters. GEMV: block_n (1, 2 or 4) weight rows per program, block_k weights a step.
-    Matmul: block_m x block_n tiles over block_k. split: K splits."""
+    Matmul: block_m x block_n tiles over block_k. split: K splits. swap, prefetch: the grouped w8
+    matmul's forms (_matmul_kernel); other weights ignore them."""
 
     kind: str  # "gemv" | "matmul" | "torch"
     block_m: int = 16
@@ -679,6 +731,8 @@ class LinearConfig:
     split: int = 1
     num_warps: int = 4
     num_stages: int = 2
+    swap: bool = False
+    prefetch: bool = False
 
 
 _SM_COUNT: dict[int, int] = {}
@@ -734,6 +788,13 @@ def choose_config(m: int, n: int, k: int, fmt: str, device: torch.device,
         # decode batches: still weight-bandwidth bound; split K to fill the SMs (w4 wants more
         # programs: its dequantization is the slower part)
         block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+        if fmt == "w8" and block_m == 64:
+            # H200 sweep over the 1B / 8B decode linears at M = 64 (docs/BENCHMARKS.md, session 16):
+            # the weight tile as the dot's first operand, 128 x 64 tiles, 2 programs an SM, 0.73x the
+            # time of the rule below summed over the shapes
+            tiles = -(-n // 128)
+            return LinearConfig("matmul", 64, 128, 64, _pick_split(tiles, -(-k // 64), 2 * sms, 4), num_warps=4,
+                                num_stages=3, swap=True)
         if fmt == "w4":
             block_n, block_k, target = 128, (128 if block_m == 16 else 64), 2 * sms
         else:
@@ -862,8 +923,6 @@ def linear(x: torch.Tensor, w: LinearWeight, config: LinearConfig | None = None,
     else:
         block_k = max(cfg.block_k, 32)
         row_group = fmt == 1 and w.group_size == k
-        if fmt == 1 and not row_group and block_k % w.group_size:
-            raise ValueError(f"block_k {block_k} is not a multiple of the w8 group_size {w.group_size}")
         per = -(-k // split)
         per = -(-per // block_k) * block_k
         split = -(-k // per)
@@ -884,6 +943,7 @@ def linear(x: torch.Tensor, w: LinearWeight, config: LinearConfig | None = None,
                 FORMAT=fmt, HAS_BIAS=w.bias is not None, SPLIT=split > 1, EVEN_K=even_k,
                 GROUP_SIZE=max(w.group_size, 1), ROW_GROUP=row_group, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                 BLOCK_K=block_k, GROUP_M=8, RESIDUAL=res2 is not None,
+                SWAP=cfg.swap and fmt == 1 and not row_group, PREFETCH=cfg.prefetch and fmt == 1 and not row_group,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(x.device))
             if split > 1:
                 block = 1024

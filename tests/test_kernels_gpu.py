@@ -92,6 +92,23 @@ def test_linear_gemv_variants(fmt: str) -> None:
             assert rel_err(tlin.linear(x, w, cfg), want) < REL[torch.bfloat16], (rows, block_k, split)
 
 
+def test_linear_matmul_variants() -> None:
+    """Every form of the batched (M = 2-64) grouped w8 matmul the sweeps consider, on a ragged N, with K
+    splits, fused residual and bias: each equal to the reference within bfloat16's error."""
+    w = make_weight("w8", 4099, 14336, torch.bfloat16, bias=True, seed=8)
+    for m in (3, 16, 40, 64):
+        x = torch.randn(m, 14336, device=DEV).bfloat16()
+        res = torch.randn(m, 4099, device=DEV).bfloat16()
+        want = ref_linear(x, w)
+        for swap, prefetch, block_n, block_k, split in ((True, False, 128, 64, 3), (True, True, 256, 32, 1),
+                                                        (False, True, 64, 128, 5), (False, False, 64, 128, 1)):
+            cfg = tlin.LinearConfig("matmul", 16 if m <= 16 else 64, block_n, block_k, split, swap=swap,
+                                    prefetch=prefetch)
+            assert rel_err(tlin.linear(x, w, cfg), want) < REL[torch.bfloat16], (m, cfg)
+            got = tlin.linear(x, w, cfg, residual=res)
+            assert rel_err(got, (want.float() + res.float())) < REL[torch.bfloat16], (m, cfg)
+
+
 @pytest.mark.parametrize("fmt", ["w8", "w4"])
 def test_gemv_inline_ptx_conversions_give_the_portable_kernels_result_bit_for_bit(fmt: str, monkeypatch) -> None:
     """The prmt conversions of sm_80+ (triton_convert's *_asm) and the portable ones the interpreter

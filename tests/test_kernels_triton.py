@@ -263,14 +263,19 @@ def test_gemv_constants_taken_off_once_a_chunk_cost_under_2_to_the_minus_16_of_t
     assert 0 < err < 2 ** -16, err  # 0: the forced form did not run
 
 
+@pytest.mark.parametrize("swap,prefetch", [(False, False), (True, False), (False, True), (True, True)])
 @pytest.mark.parametrize("fmt", ["dense", "w8", "w4"])
-def test_linear_matmul_split_and_3d(fmt: str) -> None:
+def test_linear_matmul_split_and_3d(fmt: str, swap: bool, prefetch: bool) -> None:
+    """Every form of the batched matmul (grouped w8: weights as the dot's first operand, the next weight
+    tile loaded ahead; w4 and dense ignore both), split over K or not, ragged K (192 = 1.5 steps of
+    128), leading dims and strided rows."""
     torch.manual_seed(1)
     w = _weight(fmt, 48, 192, torch.float16, bias=True, group=64)
+    forms = dict(swap=swap, prefetch=prefetch)
     x = torch.randn(2, 9, 192).to(torch.float16)  # leading dims flatten to M = 18
-    _check_linear(x, w, tlin.LinearConfig("matmul", 16, 32, 64, split=2))
+    _check_linear(x, w, tlin.LinearConfig("matmul", 16, 32, 64, split=2, **forms))
     xs = torch.randn(3, 400).to(torch.float16)[:, :192]  # strided rows
-    _check_linear(xs, w, tlin.LinearConfig("matmul", 16, 32, 128, split=1))
+    _check_linear(xs, w, tlin.LinearConfig("matmul", 16, 32, 128, split=1, **forms))
 
 
 _FUSED_FORMS = {"norm": dict(norm=True), "silu": dict(silu_mul=True), "residual": dict(residual=True),
@@ -293,7 +298,9 @@ _GEMV, _MATMUL = ("gemv", 1, 4, 32, 3), ("matmul", 16, 32, 32, 2)
                             (("w4", "norm+silu out", torch.float16), ("w8", "norm", torch.float32))]
                          + [(fmt, "residual", torch.float16, 6, _MATMUL) for fmt in ("w8", "w4")]
                          + [("w8", "silu+residual", torch.float32, 6, _MATMUL), ("w4", "norm", torch.float16, 6, _MATMUL)]
-                         + [("w8", "silu out", torch.float16, 6, _MATMUL)])
+                         + [("w8", "silu out", torch.float16, 6, _MATMUL)]
+                         # the batched matmul with the weights as the dot's first operand, loaded a step ahead
+                         + [(fmt, "residual", torch.float16, 6, _MATMUL + (True, True)) for fmt in ("w8", "w4")])
 def test_linear_fused_forms_equal_the_composed_ops(fmt: str, form: str, rows: int, cfg, dtype: torch.dtype) -> None:
     """RMSNorm in, silu(gate) * up in, the residual add out, silu(gate) * up out: the same values as
     reference.linear's composition of the separate ops (each rounded to the activation dtype), split or
@@ -313,7 +320,7 @@ def test_linear_fused_forms_equal_the_composed_ops(fmt: str, form: str, rows: in
         kw.update(norm_weight=(1.0 + 0.3 * torch.randn(k)).to(dtype), norm_eps=1e-5)
     if spec.get("residual"):
         kw.update(residual=(4 * torch.randn(rows, n)).to(dtype))
-    config = tlin.LinearConfig(*cfg[:4], split=cfg[4])
+    config = tlin.LinearConfig(*cfg[:4], split=cfg[4], swap=cfg[5:6] == (True,), prefetch=cfg[6:7] == (True,))
     got = tlin.linear(x, w, config, **kw)
     again = tlin.linear(x, w, config, **kw)
     want = reference.linear(x, w, **kw)
