@@ -100,7 +100,7 @@ def test_linear_matmul_variants() -> None:
         x = torch.randn(m, 14336, device=DEV).bfloat16()
         res = torch.randn(m, 4099, device=DEV).bfloat16()
         want = ref_linear(x, w)
-        for swap, prefetch, block_n, block_k, split in ((True, False, 128, 64, 3), (True, True, 256, 32, 1),
+        for swap, prefetch, block_n, block_k, split in ((True, False, 128, 64, 3), (True, True, 128, 64, 1),
                                                         (False, True, 64, 128, 5), (False, False, 64, 128, 1)):
             cfg = tlin.LinearConfig("matmul", 16 if m <= 16 else 64, block_n, block_k, split, swap=swap,
                                     prefetch=prefetch)
