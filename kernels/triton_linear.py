@@ -522,14 +522,13 @@ def _u8_to(q, dtype: tl.constexpr):
 
 
 @triton.jit
-def _load_chunks(w_tile, s_rows, m_rows, k0, k_hi, ci, CB: tl.constexpr, GROUP_SIZE: tl.constexpr,
-                 MASKED: tl.constexpr):
-    """The weight bytes of K columns k0.. as [rows, chunks of 32 weights, CB bytes], and each chunk's
-    scale and minimum [rows, chunks]. MASKED: chunks from k_hi on read as zeros (a chunk never straddles
-    it: groups are whole chunks)."""
+def _load_chunks(w_tile, s_rows, m_rows, k0, k_hi, ci, GROUP_SIZE: tl.constexpr, MASKED: tl.constexpr):
+    """The w8 bytes of K columns k0.. as [rows, chunks of 32, 32], and each chunk's scale and minimum
+    [rows, chunks]. MASKED: chunks from k_hi on read as zeros (a chunk never straddles it: groups are
+    whole chunks)."""
     start = k0 + ci * 32
     grp = (start // GROUP_SIZE)[None, :]
-    b_ptrs = w_tile + (k0 // 32) * CB
+    b_ptrs = w_tile + k0
     if MASKED:
         cm = (start < k_hi)[None, :]
         b = tl.load(b_ptrs, mask=cm[:, :, None], other=0)
@@ -622,9 +621,8 @@ def _matmul_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr
             acc += tl.dot(xe, tl.trans(lo))
             acc += tl.dot(xo, tl.trans(hi))
     elif FORMAT == 1 and not ROW_GROUP:
-        CB: tl.constexpr = 32  # bytes of a 32-weight chunk
-        ci = tl.arange(0, BLOCK_K // 32)
-        w_tile = w_ptr + rn64[:, None, None] * stride_wn + (ci[:, None] * CB + tl.arange(0, CB)[None, :])[None, :, :]
+        ci = tl.arange(0, BLOCK_K // 32)  # 32-weight chunks, one scale and minimum each
+        w_tile = w_ptr + rn64[:, None, None] * stride_wn + (ci[:, None] * 32 + tl.arange(0, 32)[None, :])[None, :, :]
         s_rows = scale_ptr + rn64[:, None] * stride_sn
         m_rows = min_ptr + rn64[:, None] * stride_sn
         kx = tl.arange(0, BLOCK_K)
@@ -635,13 +633,13 @@ def _matmul_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             x_tile = x_rows + kx[None, :]
         if PREFETCH:
-            b, s, mn = _load_chunks(w_tile, s_rows, m_rows, k_lo, k_hi, ci, CB, GROUP_SIZE, not EVEN_K)
+            b, s, mn = _load_chunks(w_tile, s_rows, m_rows, k_lo, k_hi, ci, GROUP_SIZE, not EVEN_K)
         for k0 in range(k_lo, k_hi, BLOCK_K):
             if PREFETCH:
-                b_next, s_next, mn_next = _load_chunks(w_tile, s_rows, m_rows, k0 + BLOCK_K, k_hi, ci, CB,
+                b_next, s_next, mn_next = _load_chunks(w_tile, s_rows, m_rows, k0 + BLOCK_K, k_hi, ci,
                                                        GROUP_SIZE, True)
             else:
-                b, s, mn = _load_chunks(w_tile, s_rows, m_rows, k0, k_hi, ci, CB, GROUP_SIZE, not EVEN_K)
+                b, s, mn = _load_chunks(w_tile, s_rows, m_rows, k0, k_hi, ci, GROUP_SIZE, not EVEN_K)
             if EVEN_K:
                 xt = tl.load(x_tile + k0)
             elif SWAP:

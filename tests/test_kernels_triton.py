@@ -299,7 +299,7 @@ _GEMV, _MATMUL = ("gemv", 1, 4, 32, 3), ("matmul", 16, 32, 32, 2)
                          + [(fmt, "residual", torch.float16, 6, _MATMUL) for fmt in ("w8", "w4")]
                          + [("w8", "silu+residual", torch.float32, 6, _MATMUL), ("w4", "norm", torch.float16, 6, _MATMUL)]
                          + [("w8", "silu out", torch.float16, 6, _MATMUL)]
-                         # the batched matmul with the weights as the dot's first operand, loaded a step ahead
+                         # the batched matmul with the weights as the dot's first operand, loaded a step ahead (w4 ignores both)
                          + [(fmt, "residual", torch.float16, 6, _MATMUL + (True, True)) for fmt in ("w8", "w4")])
 def test_linear_fused_forms_equal_the_composed_ops(fmt: str, form: str, rows: int, cfg, dtype: torch.dtype) -> None:
     """RMSNorm in, silu(gate) * up in, the residual add out, silu(gate) * up out: the same values as
