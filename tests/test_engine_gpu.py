@@ -152,3 +152,30 @@ def test_overlapped_gpu_steps_equal_the_cpu_reference_engine() -> None:
     engine = engine_on(weights, True)
     assert run_overlapped(engine, reqs) == cpu
     assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
+def test_overlapped_steps_fill_each_row_from_where_its_token_was_sampled() -> None:
+    """Sequences that end at different lengths leave the batch mid-run, so a step's rows no longer
+    line up with the rows of the step in flight: each placeholder is still filled from its own
+    sequence's sampled token (the decode graph's staged inputs, an out-of-order fill)."""
+    from helpers.tiny_engine import run_overlapped
+
+    reqs = [request(f"r{i}", p, max_tokens=n) for i, (p, n) in enumerate(zip(PROMPTS, [9, 40, 3, 25]))]
+    weights = gpu_weights(torch.bfloat16, "w8")
+    cpu = run_to_completion(engine_on(as_cpu_float32(weights), False), reqs)
+    engine = engine_on(weights, True)
+    assert run_overlapped(engine, reqs) == cpu
+    assert [len(cpu[f"r{i}"]) for i in range(4)] == [9, 40, 3, 25]
+
+
+def test_seeded_sampling_gives_the_same_tokens_with_and_without_overlapped_steps() -> None:
+    """Sampled (not greedy) decode steps through the graphs: the tokens read back through the pinned
+    ring, overlapped, equal those of one step at a time."""
+    from helpers.tiny_engine import run_overlapped
+
+    reqs = [request(f"r{i}", p, max_tokens=48, temperature=0.9, top_k=40, seed=100 + i, ignore_eos=True)
+            for i, p in enumerate(PROMPTS)]
+    weights = gpu_weights(torch.bfloat16, "w8")
+    serial = run_to_completion(engine_on(weights, True), reqs)
+    assert run_overlapped(engine_on(weights, True), reqs) == serial
+    assert all(len(v) == 48 for v in serial.values())

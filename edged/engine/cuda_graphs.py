@@ -16,6 +16,8 @@ import torch
 from edged.models.batch import AttentionMetadata, KVCache
 from edged.models.llama import LlamaModel
 
+from .decode_inputs import DecodeInputs
+
 log = logging.getLogger("edged.engine")
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
@@ -29,11 +31,11 @@ class DecodeGraphs:
         self.buckets = tuple(b for b in buckets if b < max_batch) + (max_batch,)
         self.max_batch = max_batch
         dev = model.device
-        self.input_ids = torch.zeros(max_batch, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(max_batch, dtype=torch.int64, device=dev)
-        self.slot_mapping = torch.full((max_batch,), -1, dtype=torch.int64, device=dev)
-        self.block_tables = torch.zeros(max_batch, max_blocks_per_seq, dtype=torch.int32, device=dev)
-        self.context_lens = torch.ones(max_batch, dtype=torch.int32, device=dev)
+        # the graphs' inputs: views into one buffer that a step fills with one copy (DecodeInputs.stage)
+        self.inputs = DecodeInputs(max_batch, max_blocks_per_seq, dev)
+        self.input_ids, self.positions = self.inputs.input_ids, self.inputs.positions
+        self.slot_mapping, self.block_tables = self.inputs.slot_mapping, self.inputs.block_tables
+        self.context_lens = self.inputs.context_lens
         self.cu_seqlens = torch.arange(max_batch + 1, dtype=torch.int32, device=dev)
         self.logits: dict[int, torch.Tensor] = {}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -71,8 +73,14 @@ class DecodeGraphs:
         torch.cuda.synchronize()
         log.info("captured decode graphs for batch sizes %s", ",".join(map(str, sorted(self.buckets))))
 
+    def replay_staged(self, n: int) -> torch.Tensor:
+        """Logits [n, vocab] for a decode step whose n rows `inputs.stage` has queued."""
+        b = self.bucket_for(n)
+        self.graphs[b].replay()
+        return self.logits[b][:n]
+
     def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Logits [B, vocab] for a decode step of B <= max_batch sequences."""
+        """Logits [B, vocab] for a decode step of B <= max_batch sequences, from device tensors."""
         n = input_ids.shape[0]
         b = self.bucket_for(n)
         width = meta.block_tables.shape[1]

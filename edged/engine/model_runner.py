@@ -12,6 +12,7 @@ from edged.models.llama import LlamaModel
 from edged.scheduler.batcher import StepPlan
 
 from .cuda_graphs import DecodeGraphs, MixedGraphs
+from .token_readback import READBACK_TOKENS, TokenReadback
 from .sequence import Sequence
 
 
@@ -23,6 +24,8 @@ class ModelRunner:
         self.block_size = kv.block_size
         self.graphs: DecodeGraphs | None = None
         self.mixed_graphs: MixedGraphs | None = None
+        # sampled tokens come back through a ring of pinned buffers (a larger step pins its own)
+        self._readback = TokenReadback(READBACK_TOKENS, self.device) if self.device.type == "cuda" else None
 
     def enable_cuda_graphs(self, max_batch: int, max_model_len: int, max_tokens: int | None = None) -> None:
         """Capture decode graphs for batches up to max_batch and, given max_tokens (the step token
@@ -59,12 +62,10 @@ class ModelRunner:
             end = start + chunk.num_new_tokens
             new = seq.token_ids[start:end]
             if PLACEHOLDER in new:
-                if prev is None:
-                    raise RuntimeError(f"sequence {seq.request_id} has an unsampled token but no step in flight")
                 for i, t in enumerate(new):
                     if t == PLACEHOLDER:
                         fill_rows.append(len(ids) + i)
-                        fill_from.append(prev.row_of(seq, start + i))
+                        fill_from.append(_sampled_row(prev, seq, start + i))
             ids.extend(new)
             positions.extend(range(start, end))
             table = seq.block_table
@@ -92,9 +93,14 @@ class ModelRunner:
                between_layers: Callable[[], None] | None = None) -> LaunchedStep:
         """Queue one step on the device and return at once; its tokens reach the host when asked.
         between_layers goes to the model's eager forward (LlamaModel.forward), not into graphs."""
-        input_ids, positions, meta, rows = self.prepare(plan, prev)
         sampled = [c.seq for c in plan.chunks if c.completes_prompt]
         index = [c.seq.num_tokens for c in plan.chunks if c.completes_prompt]
+        # a decode graph when every row samples (a one-token chunk that does not end its prompt runs eagerly)
+        if len(sampled) == len(plan.chunks) and plan.is_decode and self.graphs is not None \
+                and self.graphs.bucket_for(len(sampled)):
+            logits = self._replay_decode(plan, prev)
+            return LaunchedStep(plan, sampled, index, self._sample(logits, sampled), self._readback)
+        input_ids, positions, meta, rows = self.prepare(plan, prev)
         mixed = self.mixed_graphs
         if not meta.is_decode and mixed is not None and mixed.bucket_for(input_ids.shape[0], len(plan.chunks)):
             logits = mixed.replay(input_ids, positions, meta)  # each sequence's last token
@@ -106,47 +112,91 @@ class ModelRunner:
         elif not rows:
             self.model.forward(input_ids, positions, meta, self.kv, between_layers)
             return LaunchedStep(plan, [], [], None)
-        elif meta.is_decode and self.graphs is not None and self.graphs.bucket_for(len(rows)) is not None:
-            logits = self.graphs.replay(input_ids, positions, meta)
         else:
             hidden = self.model.forward(input_ids, positions, meta, self.kv, between_layers)
             logits = self.model.logits(hidden[self._tensor(rows, torch.int64)])
+        return LaunchedStep(plan, sampled, index, self._sample(logits, sampled), self._readback)
+
+    def _replay_decode(self, plan: StepPlan, prev: LaunchedStep | None) -> torch.Tensor:
+        """A decode step from its graph: its inputs staged in one copy, and the tokens that `prev` is
+        still computing filled in on the device."""
+        graphs, bs = self.graphs, self.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        tables: list[list[int]] = []
+        fill_rows: list[int] = []
+        fill_from: list[int] = []
+        for r, chunk in enumerate(plan.chunks):
+            seq = chunk.seq
+            p = seq.num_computed
+            token = seq.token_ids[p]
+            if token == PLACEHOLDER:
+                fill_rows.append(r)
+                fill_from.append(_sampled_row(prev, seq, p))
+                token = 0
+            ids.append(token)
+            positions.append(p)
+            table = seq.block_table
+            slots.append(table[p // bs] * bs + p % bs)
+            tables.append(table)
+        n = len(ids)
+        graphs.inputs.stage(ids, positions, slots, [p + 1 for p in positions], tables, fill_rows, fill_from,
+                            graphs.bucket_for(n))
+        if fill_rows:
+            in_order = fill_rows == fill_from == list(range(len(fill_rows)))
+            graphs.inputs.fill_placeholders(len(fill_rows), prev.tokens, in_order)
+        return graphs.replay_staged(n)
+
+    def _sample(self, logits: torch.Tensor, sampled: list[Sequence]) -> torch.Tensor:
         sp = [s.request.sampling for s in sampled]
         if all(p.temperature <= 0 for p in sp):
-            tokens = kernels.argmax(logits)  # decided on the host: no device sync before the next launch
-        else:
-            tokens = kernels.sample(
-                logits,
-                self._tensor([p.temperature for p in sp], torch.float32),
-                self._tensor([p.top_k for p in sp], torch.int64),
-                self._tensor([p.top_p for p in sp], torch.float32),
-                self._tensor([s.seed for s in sampled], torch.int64),
-                self._tensor([s.num_generated for s in sampled], torch.int64),
-            )
-        return LaunchedStep(plan, sampled, index, tokens)
+            return kernels.argmax(logits)  # decided on the host: no device sync before the next launch
+        return kernels.sample(
+            logits,
+            self._tensor([p.temperature for p in sp], torch.float32),
+            self._tensor([p.top_k for p in sp], torch.int64),
+            self._tensor([p.top_p for p in sp], torch.float32),
+            self._tensor([s.seed for s in sampled], torch.int64),
+            self._tensor([s.num_generated for s in sampled], torch.int64),
+        )
 
 
 PLACEHOLDER = -1  # a token sampled by a step still in flight
+
+
+def _sampled_row(prev: LaunchedStep | None, seq: Sequence, index: int) -> int:
+    """The row of prev's tokens that will hold seq's placeholder token at `index`."""
+    if prev is None:
+        raise RuntimeError(f"sequence {seq.request_id} has an unsampled token but no step in flight")
+    return prev.row_of(seq, index)
 
 
 class LaunchedStep:
     """A step queued on the device. Its sampled tokens are copied to pinned host memory behind the
     step, so reading them waits for this step only, not for one launched after it."""
 
-    def __init__(self, plan: StepPlan, sampled: list[Sequence], index: list[int], tokens: torch.Tensor | None) -> None:
+    def __init__(self, plan: StepPlan, sampled: list[Sequence], index: list[int], tokens: torch.Tensor | None,
+                 readback: TokenReadback | None = None) -> None:
         self.plan = plan
         self.sampled = sampled  # sequences whose next token this step samples, in row order
         self.index = index  # where each sampled token goes in its sequence's token_ids
         self.tokens = tokens  # [len(sampled)] on the device
         self.launched_at = time.perf_counter()
         self._rows = {(id(s), i): r for r, (s, i) in enumerate(zip(sampled, index))}
+        self._readback = readback
+        self._ticket: tuple[int, int] | None = None
         self._host: torch.Tensor | None = None
         self._done: torch.cuda.Event | None = None
+        self._read: list[int] | None = None
         if tokens is not None and tokens.is_cuda:
-            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            self._host.copy_(tokens, non_blocking=True)
-            self._done = torch.cuda.Event()
-            self._done.record()
+            if readback is not None and tokens.dtype == torch.int64:
+                self._ticket = readback.start(tokens)
+            if self._ticket is None:
+                self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+                self._host.copy_(tokens, non_blocking=True)
+                self._done = torch.cuda.Event()
+                self._done.record()
 
     def row_of(self, seq: Sequence, index: int) -> int:
         """The row of this step's tokens that holds seq's token at `index`."""
@@ -156,9 +206,14 @@ class LaunchedStep:
         return row
 
     def result(self) -> list[int]:
-        if self.tokens is None:
-            return []
-        if self._done is not None:
-            self._done.synchronize()
-            return self._host.tolist()
-        return self.tokens.tolist()
+        if self._read is None:
+            if self.tokens is None:
+                self._read = []
+            elif self._ticket is not None:
+                self._read = self._readback.read(self._ticket, self.tokens.shape[0])
+            elif self._done is not None:
+                self._done.synchronize()
+                self._read = self._host.tolist()
+            else:
+                self._read = self.tokens.tolist()
+        return self._read
