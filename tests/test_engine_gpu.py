@@ -97,6 +97,7 @@ def test_a_mixed_step_graph_gives_the_eager_forwards_logits_for_each_sequences_l
     """Two prompts and two decodes in one step (27 tokens, bucket 32): the replayed graph's logits for
     each sequence's last token equal the eager forward's, and the padding rows write no KV."""
     from edged.engine.cuda_graphs import MixedGraphs
+    from edged.engine.step_inputs import StepInputs
     from edged.models.batch import AttentionMetadata
 
     weights = gpu_weights(torch.bfloat16, "w8")
@@ -127,7 +128,9 @@ def test_a_mixed_step_graph_gives_the_eager_forwards_logits_for_each_sequences_l
             kv.v[i].normal_()
         untouched = kv.k[0][9:].clone()
         want = model.logits(model.forward(t(ids, torch.int64), t(pos, torch.int64), meta, kv)[t(cu[1:], torch.int64) - 1])
-        got = graphs.replay(t(ids, torch.int64), t(pos, torch.int64), meta).clone()
+        step = StepInputs(ids=ids, positions=pos, slots=slots, cu_seqlens=cu,
+                          context_lens=[b + n for n, b in zip(lens, before)], tables=tables)
+        got = graphs.replay_staged(*graphs.stage(step)).clone()
     assert graphs.replays == 1
     assert torch.equal(got.argmax(-1), want.argmax(-1))
     assert (got - want).norm() <= 1e-2 * want.norm()

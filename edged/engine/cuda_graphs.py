@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
 from edged.models.batch import AttentionMetadata, KVCache
 from edged.models.llama import LlamaModel
 
-from .decode_inputs import DecodeInputs
+from .staged_inputs import StagedInputs
+from .step_inputs import StepInputs
 
 log = logging.getLogger("edged.engine")
 
@@ -31,11 +33,16 @@ class DecodeGraphs:
         self.buckets = tuple(b for b in buckets if b < max_batch) + (max_batch,)
         self.max_batch = max_batch
         dev = model.device
-        # the graphs' inputs: views into one buffer that a step fills with one copy (DecodeInputs.stage)
-        self.inputs = DecodeInputs(max_batch, max_blocks_per_seq, dev)
-        self.input_ids, self.positions = self.inputs.input_ids, self.inputs.positions
-        self.slot_mapping, self.block_tables = self.inputs.slot_mapping, self.inputs.block_tables
-        self.context_lens = self.inputs.context_lens
+        # the graphs' inputs: views into one buffer that a step fills with one copy (stage)
+        i64, i32, mb = torch.int64, torch.int32, max_batch
+        self.inputs = StagedInputs({"input_ids": (i64, mb), "positions": (i64, mb), "slot_mapping": (i64, mb),
+                                    "fill_rows": (i64, mb), "fill_from": (i64, mb), "context_lens": (i32, mb)},
+                                   mb, max_blocks_per_seq, dev)
+        v = self.inputs.views
+        self.input_ids, self.positions, self.slot_mapping = v["input_ids"], v["positions"], v["slot_mapping"]
+        self.block_tables, self.context_lens = v["block_tables"], v["context_lens"]
+        self.slot_mapping.fill_(-1)
+        self.context_lens.fill_(1)
         self.cu_seqlens = torch.arange(max_batch + 1, dtype=torch.int32, device=dev)
         self.logits: dict[int, torch.Tensor] = {}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -73,26 +80,37 @@ class DecodeGraphs:
         torch.cuda.synchronize()
         log.info("captured decode graphs for batch sizes %s", ",".join(map(str, sorted(self.buckets))))
 
+    def stage(self, step: StepInputs) -> int:
+        """Queue the copy of a decode step's inputs (n <= max_batch one-token rows); rows n.. of its
+        bucket are padding that writes no KV (slot -1) and attends over one position. Returns n."""
+        n = len(step.ids)
+        b = self.bucket_for(n)
+        if n == 0 or b is None:
+            raise ValueError(f"no decode graph for {n} rows (max {self.max_batch})")
+        h = self.inputs.begin()
+        h["input_ids"][:n] = step.ids
+        h["positions"][:n] = step.positions
+        h["slot_mapping"][:n] = step.slots
+        h["slot_mapping"][n:b] = -1
+        h["context_lens"][:n] = step.context_lens
+        h["context_lens"][n:b] = 1
+        _stage_fills(h, step)
+        self.inputs.write_tables(step.tables)
+        self.inputs.send(n)
+        return n
+
     def replay_staged(self, n: int) -> torch.Tensor:
-        """Logits [n, vocab] for a decode step whose n rows `inputs.stage` has queued."""
+        """Logits [n, vocab] for the decode step of n rows that `stage` queued."""
         b = self.bucket_for(n)
         self.graphs[b].replay()
         return self.logits[b][:n]
 
-    def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Logits [B, vocab] for a decode step of B <= max_batch sequences, from device tensors."""
-        n = input_ids.shape[0]
-        b = self.bucket_for(n)
-        width = meta.block_tables.shape[1]
-        self.input_ids[:n].copy_(input_ids)
-        self.positions[:n].copy_(positions)
-        self.slot_mapping[:n].copy_(meta.slot_mapping)
-        self.slot_mapping[n:b].fill_(-1)
-        self.block_tables[:n, :width].copy_(meta.block_tables)
-        self.context_lens[:n].copy_(meta.context_lens)
-        self.context_lens[n:b].fill_(1)
-        self.graphs[b].replay()
-        return self.logits[b][:n]
+
+def _stage_fills(h: dict[str, np.ndarray], step: StepInputs) -> None:
+    k = len(step.fill_rows)
+    if k:
+        h["fill_rows"][:k] = step.fill_rows
+        h["fill_from"][:k] = step.fill_from
 
 
 # Token-count buckets of steps with prompt tokens; the engine's token budget is the last.
@@ -116,14 +134,15 @@ class MixedGraphs:
         max_tokens = min(max_tokens, max_blocks_per_seq * kv.block_size)
         self.buckets = tuple(b for b in buckets if b < max_tokens) + (max_tokens,)
         rows = self.rows_for(max_tokens)
-        dev = model.device
-        self.input_ids = torch.zeros(max_tokens, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(max_tokens, dtype=torch.int64, device=dev)
-        self.slot_mapping = torch.full((max_tokens,), -1, dtype=torch.int64, device=dev)
-        self.block_tables = torch.zeros(rows, max_blocks_per_seq, dtype=torch.int32, device=dev)
-        self.context_lens = torch.zeros(rows, dtype=torch.int32, device=dev)
-        self.cu_seqlens = torch.zeros(rows + 1, dtype=torch.int32, device=dev)
-        self.last_rows = torch.zeros(rows, dtype=torch.int64, device=dev)
+        i64, i32, mt = torch.int64, torch.int32, max_tokens
+        self.inputs = StagedInputs({"input_ids": (i64, mt), "positions": (i64, mt), "slot_mapping": (i64, mt),
+                                    "fill_rows": (i64, rows), "fill_from": (i64, rows), "last_rows": (i64, rows),
+                                    "context_lens": (i32, rows), "cu_seqlens": (i32, rows + 1)},
+                                   rows, max_blocks_per_seq, model.device)
+        v = self.inputs.views
+        self.input_ids, self.positions, self.slot_mapping = v["input_ids"], v["positions"], v["slot_mapping"]
+        self.block_tables, self.context_lens = v["block_tables"], v["context_lens"]
+        self.cu_seqlens, self.last_rows = v["cu_seqlens"], v["last_rows"]
         self.logits: dict[int, torch.Tensor] = {}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = pool
@@ -148,16 +167,33 @@ class MixedGraphs:
         hidden = self.model.forward(self.input_ids[:b], self.positions[:b], self._meta(b), self.kv)
         return self.model.logits(hidden[self.last_rows[:self.rows_for(b)]])
 
-    def _pad(self, b: int, tokens: int, seqs: int) -> None:
-        """Rows seqs.. of bucket b hold no tokens but the last, which owns tokens..b."""
+    def stage(self, step: StepInputs, bucket: int | None = None) -> tuple[int, int]:
+        """Queue the copy of a step's inputs (T tokens in S sequences) into the bucket that bucket_for
+        gives, or `bucket`: rows S.. hold no tokens but the last, which owns the padding tokens T..b.
+        Returns (b, S)."""
+        n, s = len(step.ids), len(step.context_lens)
+        b = bucket or self.bucket_for(n, s)
+        if b is None or n > b or s >= self.rows_for(b):
+            raise ValueError(f"no graph for a step of {n} tokens in {s} sequences")
         r = self.rows_for(b)
-        self.slot_mapping[tokens:b].fill_(-1)
-        self.cu_seqlens[seqs + 1:r].fill_(tokens)
-        self.cu_seqlens[r:r + 1].fill_(b)
-        self.context_lens[seqs:r - 1].fill_(0)
-        self.context_lens[r - 1:r].fill_(b - tokens)
-        torch.sub(self.cu_seqlens[1:r + 1], 1, out=self.last_rows[:r])
-        self.last_rows[:r].clamp_(min=0)
+        h = self.inputs.begin()
+        h["input_ids"][:n] = step.ids
+        h["positions"][:n] = step.positions
+        h["slot_mapping"][:n] = step.slots
+        h["slot_mapping"][n:b] = -1
+        cu = h["cu_seqlens"]
+        cu[:s + 1] = step.cu_seqlens
+        cu[s + 1:r] = n
+        cu[r] = b
+        ctx = h["context_lens"]
+        ctx[:s] = step.context_lens
+        ctx[s:r - 1] = 0
+        ctx[r - 1] = b - n
+        np.maximum(cu[1:r + 1] - 1, 0, out=h["last_rows"][:r])
+        _stage_fills(h, step)
+        self.inputs.write_tables(step.tables)
+        self.inputs.send(r)
+        return b, s
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -166,8 +202,7 @@ class MixedGraphs:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for b in sorted(self.buckets, reverse=True):
-                self.cu_seqlens[:1].fill_(0)
-                self._pad(b, 0, 0)  # the padding row alone: a valid layout to run while capturing
+                self.stage(StepInputs(), b)  # the padding row alone: a valid layout to run while capturing
                 self._run(b)  # warm-up: compiles kernels, settles allocations
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool, stream=stream):
@@ -179,20 +214,8 @@ class MixedGraphs:
         torch.cuda.synchronize()
         log.info("captured prompt-step graphs for token counts %s", ",".join(map(str, sorted(self.buckets))))
 
-    def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Logits [S, vocab] of each sequence's last new token, for a step that bucket_for accepts."""
-        n, s = input_ids.shape[0], meta.context_lens.shape[0]
-        b = self.bucket_for(n, s)
-        if b is None:
-            raise ValueError(f"no graph for a step of {n} tokens in {s} sequences")
-        width = meta.block_tables.shape[1]
-        self.input_ids[:n].copy_(input_ids)
-        self.positions[:n].copy_(positions)
-        self.slot_mapping[:n].copy_(meta.slot_mapping)
-        self.block_tables[:s, :width].copy_(meta.block_tables)
-        self.context_lens[:s].copy_(meta.context_lens)
-        self.cu_seqlens[:s + 1].copy_(meta.cu_seqlens_q)
-        self._pad(b, n, s)
+    def replay_staged(self, b: int, s: int) -> torch.Tensor:
+        """Logits [S, vocab] of each sequence's last new token, for the step `stage` queued."""
         self.graphs[b].replay()
         self.replays += 1
         return self.logits[b][:s]

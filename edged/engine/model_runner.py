@@ -12,6 +12,8 @@ from edged.models.llama import LlamaModel
 from edged.scheduler.batcher import StepPlan
 
 from .cuda_graphs import DecodeGraphs, MixedGraphs
+from .staged_inputs import StagedInputs
+from .step_inputs import StepInputs
 from .token_readback import READBACK_TOKENS, TokenReadback
 from .sequence import Sequence
 
@@ -44,18 +46,11 @@ class ModelRunner:
         t = torch.tensor(data, dtype=dtype)
         return t.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else t
 
-    def prepare(self, plan: StepPlan, prev: LaunchedStep | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        """input ids, positions, attention metadata, and the rows whose logits are sampled.
-        A PLACEHOLDER input token (sampled by `prev`, still on the device) is filled on the device."""
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        cu = [0]
-        context_lens: list[int] = []
-        sample_rows: list[int] = []
-        fill_rows: list[int] = []
-        fill_from: list[int] = []
+    def host_inputs(self, plan: StepPlan, prev: LaunchedStep | None = None) -> StepInputs:
+        """The step's inputs as lists. A token that `prev` is still computing (PLACEHOLDER) is 0 here,
+        with its row in fill_rows and prev's row that will hold it in fill_from."""
+        step = StepInputs()
+        ids, positions, slots, cu = step.ids, step.positions, step.slots, step.cu_seqlens
         bs = self.block_size
         for chunk in plan.chunks:
             seq, start = chunk.seq, chunk.seq.num_computed
@@ -64,89 +59,80 @@ class ModelRunner:
             if PLACEHOLDER in new:
                 for i, t in enumerate(new):
                     if t == PLACEHOLDER:
-                        fill_rows.append(len(ids) + i)
-                        fill_from.append(_sampled_row(prev, seq, start + i))
+                        step.fill_rows.append(len(ids) + i)
+                        step.fill_from.append(_sampled_row(prev, seq, start + i))
+                        new[i] = 0
             ids.extend(new)
-            positions.extend(range(start, end))
             table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            if end - start == 1:
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                positions.extend(range(start, end))
+                slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             cu.append(cu[-1] + chunk.num_new_tokens)
-            context_lens.append(end)
+            step.context_lens.append(end)
+            step.tables.append(table)
             if chunk.completes_prompt:
-                sample_rows.append(cu[-1] - 1)
-        width = max(len(c.seq.block_table) for c in plan.chunks)
-        tables = [c.seq.block_table + [0] * (width - len(c.seq.block_table)) for c in plan.chunks]
+                step.sample_rows.append(cu[-1] - 1)
+        return step
+
+    def prepare(self, plan: StepPlan, prev: LaunchedStep | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        """input ids, positions, attention metadata, and the rows whose logits are sampled, as tensors
+        of their own (the eager path). Placeholder tokens are filled on the device."""
+        step = self.host_inputs(plan, prev)
+        width = max(len(t) for t in step.tables)
         meta = AttentionMetadata(
             is_decode=plan.is_decode,
-            slot_mapping=self._tensor(slots, torch.int64),
-            block_tables=self._tensor(tables, torch.int32),
-            context_lens=self._tensor(context_lens, torch.int32),
-            cu_seqlens_q=self._tensor(cu, torch.int32),
+            slot_mapping=self._tensor(step.slots, torch.int64),
+            block_tables=self._tensor([t + [0] * (width - len(t)) for t in step.tables], torch.int32),
+            context_lens=self._tensor(step.context_lens, torch.int32),
+            cu_seqlens_q=self._tensor(step.cu_seqlens, torch.int32),
         )
-        input_ids = self._tensor([0 if t == PLACEHOLDER else t for t in ids], torch.int64)
-        if fill_rows:
-            input_ids[self._tensor(fill_rows, torch.int64)] = prev.tokens[self._tensor(fill_from, torch.int64)]
-        return input_ids, self._tensor(positions, torch.int64), meta, sample_rows
+        input_ids = self._tensor(step.ids, torch.int64)
+        if step.fill_rows:
+            input_ids[self._tensor(step.fill_rows, torch.int64)] = prev.tokens[self._tensor(step.fill_from, torch.int64)]
+        return input_ids, self._tensor(step.positions, torch.int64), meta, step.sample_rows
 
     @torch.inference_mode()
     def launch(self, plan: StepPlan, prev: LaunchedStep | None = None,
                between_layers: Callable[[], None] | None = None) -> LaunchedStep:
         """Queue one step on the device and return at once; its tokens reach the host when asked.
-        between_layers goes to the model's eager forward (LlamaModel.forward), not into graphs."""
+        between_layers goes to the model's eager forward (LlamaModel.forward), not into graphs.
+        Graph steps stage their inputs in one copy (StagedInputs); the eager path builds tensors."""
         sampled = [c.seq for c in plan.chunks if c.completes_prompt]
         index = [c.seq.num_tokens for c in plan.chunks if c.completes_prompt]
+        n, s = plan.num_tokens, len(plan.chunks)
+        decode, mixed = self.graphs, self.mixed_graphs
         # a decode graph when every row samples (a one-token chunk that does not end its prompt runs eagerly)
-        if len(sampled) == len(plan.chunks) and plan.is_decode and self.graphs is not None \
-                and self.graphs.bucket_for(len(sampled)):
-            logits = self._replay_decode(plan, prev)
-            return LaunchedStep(plan, sampled, index, self._sample(logits, sampled), self._readback)
-        input_ids, positions, meta, rows = self.prepare(plan, prev)
-        mixed = self.mixed_graphs
-        if not meta.is_decode and mixed is not None and mixed.bucket_for(input_ids.shape[0], len(plan.chunks)):
-            logits = mixed.replay(input_ids, positions, meta)  # each sequence's last token
-            if not rows:
+        if len(sampled) == s and plan.is_decode and decode is not None and decode.bucket_for(s):
+            step = self.host_inputs(plan, prev)
+            decode.stage(step)
+            self._fill(decode.inputs, step, prev)
+            logits = decode.replay_staged(s)
+        elif not plan.is_decode and mixed is not None and mixed.bucket_for(n, s):
+            step = self.host_inputs(plan, prev)
+            b, _ = mixed.stage(step)
+            self._fill(mixed.inputs, step, prev)
+            logits = mixed.replay_staged(b, s)  # each sequence's last token
+            if not sampled:
                 return LaunchedStep(plan, [], [], None)
-            if len(rows) < len(plan.chunks):  # keep the sequences whose prompt this step completes
+            if len(sampled) < s:  # keep the sequences whose prompt this step completes
                 logits = logits[self._tensor([i for i, c in enumerate(plan.chunks) if c.completes_prompt],
                                              torch.int64)]
-        elif not rows:
-            self.model.forward(input_ids, positions, meta, self.kv, between_layers)
-            return LaunchedStep(plan, [], [], None)
         else:
+            input_ids, positions, meta, rows = self.prepare(plan, prev)
             hidden = self.model.forward(input_ids, positions, meta, self.kv, between_layers)
+            if not rows:
+                return LaunchedStep(plan, [], [], None)
             logits = self.model.logits(hidden[self._tensor(rows, torch.int64)])
         return LaunchedStep(plan, sampled, index, self._sample(logits, sampled), self._readback)
 
-    def _replay_decode(self, plan: StepPlan, prev: LaunchedStep | None) -> torch.Tensor:
-        """A decode step from its graph: its inputs staged in one copy, and the tokens that `prev` is
-        still computing filled in on the device."""
-        graphs, bs = self.graphs, self.block_size
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        tables: list[list[int]] = []
-        fill_rows: list[int] = []
-        fill_from: list[int] = []
-        for r, chunk in enumerate(plan.chunks):
-            seq = chunk.seq
-            p = seq.num_computed
-            token = seq.token_ids[p]
-            if token == PLACEHOLDER:
-                fill_rows.append(r)
-                fill_from.append(_sampled_row(prev, seq, p))
-                token = 0
-            ids.append(token)
-            positions.append(p)
-            table = seq.block_table
-            slots.append(table[p // bs] * bs + p % bs)
-            tables.append(table)
-        n = len(ids)
-        graphs.inputs.stage(ids, positions, slots, [p + 1 for p in positions], tables, fill_rows, fill_from,
-                            graphs.bucket_for(n))
-        if fill_rows:
-            in_order = fill_rows == fill_from == list(range(len(fill_rows)))
-            graphs.inputs.fill_placeholders(len(fill_rows), prev.tokens, in_order)
-        return graphs.replay_staged(n)
+    @staticmethod
+    def _fill(inputs: StagedInputs, step: StepInputs, prev: LaunchedStep | None) -> None:
+        if step.fill_rows:
+            inputs.fill_placeholders(len(step.fill_rows), prev.tokens, step.fills_in_order)
 
     def _sample(self, logits: torch.Tensor, sampled: list[Sequence]) -> torch.Tensor:
         sp = [s.request.sampling for s in sampled]
