@@ -801,8 +801,17 @@ def choose_config(m: int, n: int, k: int, fmt: str, device: torch.device,
         tiles = -(-m // block_m) * -(-n // block_n)
         split = _pick_split(tiles, -(-k // block_k), target, 4)
         return LinearConfig("matmul", block_m, block_n, block_k, split, num_warps=4, num_stages=3)
+    # prompt steps: split K too. Without it SmolLM2's 128-token step had 10-48 programs a linear for 132
+    # SMs; H200, a prompt-step graph of 128 / 256 tokens (docs/BENCHMARKS.md, session 17): SmolLM2 w8
+    # 2.92 / 3.62 -> 1.52 / 1.92 ms, 1B w8 7.20 / 7.57 -> 2.83 / 3.83 ms, 1B w4 6.77 / 8.76 -> 3.20 / 4.89 ms
+    if fmt == "w8" and m <= 128:
+        tiles = -(-m // 64) * -(-n // 128)
+        return LinearConfig("matmul", 64, 128, 64, _pick_split(tiles, -(-k // 64), 2 * sms, 4), num_warps=4,
+                            num_stages=3, swap=True)
     block_m = 64 if m <= 128 else 128
-    return LinearConfig("matmul", block_m, 128, 64, 1, num_warps=8 if block_m == 128 else 4, num_stages=3)
+    tiles = -(-m // block_m) * -(-n // 128)
+    return LinearConfig("matmul", block_m, 128, 64, _pick_split(tiles, -(-k // 64), 2 * sms, 4),
+                        num_warps=8 if block_m == 128 else 4, num_stages=3)
 
 
 def _torch_linear(x: torch.Tensor, w: LinearWeight, out_dtype: torch.dtype) -> torch.Tensor:

@@ -110,6 +110,19 @@ def test_linear_matmul_variants() -> None:
 
 
 @pytest.mark.parametrize("fmt", ["w8", "w4"])
+def test_linear_of_prompt_steps_with_the_chosen_launch(fmt: str) -> None:
+    """Prompt-step shapes (M = 65-300: split K, and for w8 up to 128 rows the swapped form over two M
+    tiles) through choose_config's launch, equal to the reference within bfloat16's error."""
+    for n, k in ((576, 1536), (4099, 2048)):
+        w = make_weight(fmt, n, k, torch.bfloat16, bias=False, seed=n)
+        for m in (65, 100, 128, 200, 300):
+            x = torch.randn(m, k, device=DEV).bfloat16()
+            cfg = tlin.choose_config(m, n, k, fmt, torch.device(DEV))
+            assert cfg.split > 1 or m > 128, (m, n, cfg)
+            assert rel_err(tlin.linear(x, w), ref_linear(x, w)) < REL[torch.bfloat16], (m, n, cfg)
+
+
+@pytest.mark.parametrize("fmt", ["w8", "w4"])
 def test_gemv_inline_ptx_conversions_give_the_portable_kernels_result_bit_for_bit(fmt: str, monkeypatch) -> None:
     """The prmt conversions of sm_80+ (triton_convert's *_asm) and the portable ones the interpreter
     runs produce the same floats, so the decode GEMV's result is identical, fused forms included."""
