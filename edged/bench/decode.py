@@ -125,7 +125,7 @@ def time_decode(model: LlamaModel, batch: int, steps: int, dtype: torch.dtype,
         graphs.context_lens.fill_(pos + 1)
         graphs.slot_mapping.copy_(graphs.block_tables[rows, pos // BLOCK].long() * BLOCK + pos % BLOCK)
         graphs.graphs[batch].replay()
-        graphs.input_ids.copy_(argmax(graphs.logits[batch]))  # greedy, as the runner: no host sync
+        graphs.input_ids.copy_(graphs.greedy[batch])  # greedy, inside the graph as in the runner: no host sync
 
     for i in range(3):
         step(i)

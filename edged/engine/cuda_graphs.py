@@ -14,6 +14,7 @@ import logging
 import numpy as np
 import torch
 
+from edged import kernels
 from edged.models.batch import AttentionMetadata, KVCache
 from edged.models.llama import LlamaModel
 
@@ -45,6 +46,7 @@ class DecodeGraphs:
         self.context_lens.fill_(1)
         self.cu_seqlens = torch.arange(max_batch + 1, dtype=torch.int32, device=dev)
         self.logits: dict[int, torch.Tensor] = {}
+        self.greedy: dict[int, torch.Tensor] = {}  # each row's argmax, computed by the graph
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None
 
@@ -69,10 +71,12 @@ class DecodeGraphs:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for b in sorted(self.buckets, reverse=True):
-                self._run(b)  # warm-up: compiles kernels, settles allocations
+                kernels.argmax(self._run(b))  # warm-up: compiles kernels, settles allocations
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool, stream=stream):
                     self.logits[b] = self._run(b)
+                    # greedy tokens in the graph: a separate launch costs ~50 us of host time a step
+                    self.greedy[b] = kernels.argmax(self.logits[b])
                 if self.pool is None:
                     self.pool = graph.pool()
                 self.graphs[b] = graph
@@ -104,6 +108,11 @@ class DecodeGraphs:
         b = self.bucket_for(n)
         self.graphs[b].replay()
         return self.logits[b][:n]
+
+    def greedy_tokens(self, n: int) -> torch.Tensor:
+        """The greedy tokens of the step just replayed, as a tensor of their own (the graph's output
+        is overwritten by its next replay, while a step's tokens are still read after that)."""
+        return self.greedy[self.bucket_for(n)][:n].clone()
 
 
 def _stage_fills(h: dict[str, np.ndarray], step: StepInputs) -> None:

@@ -111,6 +111,8 @@ class ModelRunner:
             decode.stage(step)
             self._fill(decode.inputs, step, prev)
             logits = decode.replay_staged(s)
+            if _greedy(sampled):
+                return LaunchedStep(plan, sampled, index, decode.greedy_tokens(s), self._readback)
         elif not plan.is_decode and mixed is not None and mixed.bucket_for(n, s):
             step = self.host_inputs(plan, prev)
             b, _ = mixed.stage(step)
@@ -135,9 +137,9 @@ class ModelRunner:
             inputs.fill_placeholders(len(step.fill_rows), prev.tokens, step.fills_in_order)
 
     def _sample(self, logits: torch.Tensor, sampled: list[Sequence]) -> torch.Tensor:
-        sp = [s.request.sampling for s in sampled]
-        if all(p.temperature <= 0 for p in sp):
+        if _greedy(sampled):
             return kernels.argmax(logits)  # decided on the host: no device sync before the next launch
+        sp = [s.request.sampling for s in sampled]
         return kernels.sample(
             logits,
             self._tensor([p.temperature for p in sp], torch.float32),
@@ -149,6 +151,10 @@ class ModelRunner:
 
 
 PLACEHOLDER = -1  # a token sampled by a step still in flight
+
+
+def _greedy(sampled: list[Sequence]) -> bool:
+    return all(s.request.sampling.temperature <= 0 for s in sampled)
 
 
 def _sampled_row(prev: LaunchedStep | None, seq: Sequence, index: int) -> int:
