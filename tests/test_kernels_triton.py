@@ -255,9 +255,10 @@ def test_gemv_constants_taken_off_once_a_chunk_cost_under_2_to_the_minus_16_of_t
     torch.manual_seed(11)
     w = _weight(fmt, 64, 2048, torch.float16, bias=False)
     x = (3 * torch.randn(1, 2048)).to(torch.float16)
-    exact = tlin.linear(x, w, out_dtype=torch.float32)
+    cfg = tlin.LinearConfig("gemv", 1, 4, 256, 1)  # 8 chunks a row (64-wide chunks: 4x the interpreter's time)
+    exact = tlin.linear(x, w, cfg, out_dtype=torch.float32)
     monkeypatch.setattr(tlin, "exact_gemv", lambda x_dtype, out_dtype: False)
-    fast = tlin.linear(x, w, out_dtype=torch.float32)
+    fast = tlin.linear(x, w, cfg, out_dtype=torch.float32)
     size = x.float().abs() @ dequantize(w).float().abs().T
     err = ((fast - exact).abs() / size).max().item()
     assert 0 < err < 2 ** -16, err  # 0: the forced form did not run

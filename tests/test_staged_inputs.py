@@ -33,7 +33,7 @@ def decode_step(ids: list[int], positions: list[int], tables: list[list[int]], f
 def test_a_decode_step_lands_in_the_graph_inputs_and_padding_rows_write_no_kv() -> None:
     g = graphs(DecodeGraphs, 8, 6)
     tables = [[12, 13, 14], [7], [20, 21, 22, 23, 24, 25]]
-    assert g.stage(decode_step([11, 12, 13], [40, 7, 90], tables)) == 3
+    g.stage(decode_step([11, 12, 13], [40, 7, 90], tables))
     assert g.bucket_for(3) == 4
     assert g.input_ids[:3].tolist() == [11, 12, 13]
     assert g.positions[:3].tolist() == [40, 7, 90]

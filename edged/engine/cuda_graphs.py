@@ -84,9 +84,9 @@ class DecodeGraphs:
         torch.cuda.synchronize()
         log.info("captured decode graphs for batch sizes %s", ",".join(map(str, sorted(self.buckets))))
 
-    def stage(self, step: StepInputs) -> int:
+    def stage(self, step: StepInputs) -> None:
         """Queue the copy of a decode step's inputs (n <= max_batch one-token rows); rows n.. of its
-        bucket are padding that writes no KV (slot -1) and attends over one position. Returns n."""
+        bucket are padding that writes no KV (slot -1) and attends over one position."""
         n = len(step.ids)
         b = self.bucket_for(n)
         if n == 0 or b is None:
@@ -101,7 +101,6 @@ class DecodeGraphs:
         _stage_fills(h, step)
         self.inputs.write_tables(step.tables)
         self.inputs.send(n)
-        return n
 
     def replay_staged(self, n: int) -> torch.Tensor:
         """Logits [n, vocab] for the decode step of n rows that `stage` queued."""
