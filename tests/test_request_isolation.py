@@ -21,6 +21,7 @@ from edged import kernels
 from edged.engine.async_engine import AsyncEngine
 from edged.engine.llm_engine import LLMEngine, internal_error
 from edged.engine.request import GenerationRequest, StepOutput
+from edged.engine.token_readback import TokenReadback
 from edged.models.loader import LoadedModel
 from edged.server.h3_client import H3Client, iter_sse
 from edged.server.settings import ServerSettings
@@ -140,15 +141,26 @@ def tokens(outs: list[StepOutput]) -> list[int]:
     return [t for o in outs for t in o.new_token_ids]
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlapped"])
-def test_a_step_failure_ends_only_the_sequence_that_causes_it(overlap: bool, monkeypatch: pytest.MonkeyPatch,
+def engine_reading_back(ring: bool) -> LLMEngine:
+    """The tiny engine; ring: its tokens come back through a ring of two buffers (as CUDA steps' do,
+    through eight), so the trial steps that find a culprit wrap it while a step is in flight."""
+    engine = tiny_engine()
+    if ring:
+        engine.runner.readback = TokenReadback(64, torch.device("cpu"), depth=2)
+    return engine
+
+
+@pytest.mark.parametrize("overlap,ring", [(False, False), (True, False), (True, True)],
+                         ids=["serial", "overlapped", "overlapped-ring"])
+def test_a_step_failure_ends_only_the_sequence_that_causes_it(overlap: bool, ring: bool,
+                                                               monkeypatch: pytest.MonkeyPatch,
                                                                caplog: pytest.LogCaptureFixture) -> None:
     good = [seeded(f"good-{i}", seed) for i, seed in enumerate((1, 2, 3, 4, 5))]
-    alone = {rid: tokens(outs) for rid, outs in drive(tiny_engine(), good, overlap).items()}
+    alone = {rid: tokens(outs) for rid, outs in drive(engine_reading_back(ring), good, overlap).items()}
     monkeypatch.setattr(kernels, "sample", failing_sampler(kernels.sample))
     culprit = seeded("culprit", CULPRIT_SEED)
     with caplog.at_level(logging.INFO, logger="edged.engine"):
-        together = drive(tiny_engine(), [*good[:2], culprit, *good[2:]], overlap)
+        together = drive(engine_reading_back(ring), [*good[:2], culprit, *good[2:]], overlap)
     for r in good:
         assert tokens(together[r.request_id]) == alone[r.request_id]
         assert together[r.request_id][-1].finish_reason == "length"

@@ -18,6 +18,8 @@ could act, and steps are short.
 """
 from __future__ import annotations
 
+import contextlib
+
 import logging
 import queue
 import random
@@ -272,6 +274,9 @@ class LLMEngine:
         """Find the chunks whose step fails on its own (bisecting the batch), end their sequences,
         and return the plan without them."""
         culprits: list[tuple[ScheduledChunk, Exception]] = []
+        if prev is not None:  # read now: the trial steps reuse the read-back buffers prev's tokens wait in
+            with contextlib.suppress(Exception):  # a failed read is _resolve's to report
+                prev.result()
 
         def search(chunks: list[ScheduledChunk]) -> None:
             if (exc := self._trial(chunks, prev)) is None:

@@ -12,10 +12,10 @@ from edged.models.llama import LlamaModel
 from edged.scheduler.batcher import StepPlan
 
 from .cuda_graphs import DecodeGraphs, MixedGraphs
+from .sequence import Sequence
 from .staged_inputs import StagedInputs
 from .step_inputs import StepInputs
 from .token_readback import READBACK_TOKENS, TokenReadback
-from .sequence import Sequence
 
 
 class ModelRunner:
@@ -27,7 +27,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.mixed_graphs: MixedGraphs | None = None
         # sampled tokens come back through a ring of pinned buffers (a larger step pins its own)
-        self._readback = TokenReadback(READBACK_TOKENS, self.device) if self.device.type == "cuda" else None
+        self.readback = TokenReadback(READBACK_TOKENS, self.device) if self.device.type == "cuda" else None
 
     def enable_cuda_graphs(self, max_batch: int, max_model_len: int, max_tokens: int | None = None) -> None:
         """Capture decode graphs for batches up to max_batch and, given max_tokens (the step token
@@ -92,7 +92,8 @@ class ModelRunner:
         )
         input_ids = self._tensor(step.ids, torch.int64)
         if step.fill_rows:
-            input_ids[self._tensor(step.fill_rows, torch.int64)] = prev.tokens[self._tensor(step.fill_from, torch.int64)]
+            rows, source = self._tensor(step.fill_rows, torch.int64), self._tensor(step.fill_from, torch.int64)
+            input_ids[rows] = prev.tokens[source]
         return input_ids, self._tensor(step.positions, torch.int64), meta, step.sample_rows
 
     @torch.inference_mode()
@@ -112,7 +113,7 @@ class ModelRunner:
             self._fill(decode.inputs, step, prev)
             logits = decode.replay_staged(s)
             if _greedy(sampled):
-                return LaunchedStep(plan, sampled, index, decode.greedy_tokens(s), self._readback)
+                return LaunchedStep(plan, sampled, index, decode.greedy_tokens(s), self.readback)
         elif not plan.is_decode and mixed is not None and mixed.bucket_for(n, s):
             step = self.host_inputs(plan, prev)
             b, _ = mixed.stage(step)
@@ -129,7 +130,7 @@ class ModelRunner:
             if not rows:
                 return LaunchedStep(plan, [], [], None)
             logits = self.model.logits(hidden[self._tensor(rows, torch.int64)])
-        return LaunchedStep(plan, sampled, index, self._sample(logits, sampled), self._readback)
+        return LaunchedStep(plan, sampled, index, self._sample(logits, sampled), self.readback)
 
     @staticmethod
     def _fill(inputs: StagedInputs, step: StepInputs, prev: LaunchedStep | None) -> None:
@@ -181,10 +182,10 @@ class LaunchedStep:
         self._host: torch.Tensor | None = None
         self._done: torch.cuda.Event | None = None
         self._read: list[int] | None = None
-        if tokens is not None and tokens.is_cuda:
+        if tokens is not None:
             if readback is not None and tokens.dtype == torch.int64:
                 self._ticket = readback.start(tokens)
-            if self._ticket is None:
+            if self._ticket is None and tokens.is_cuda:
                 self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
                 self._host.copy_(tokens, non_blocking=True)
                 self._done = torch.cuda.Event()

@@ -12,9 +12,9 @@ READBACK_DEPTH = 8  # steps whose tokens may be unread at once (two while steps 
 class TokenReadback:
     """Pinned buffers, reused in turn, that sampled tokens are copied into behind their step."""
 
-    def __init__(self, capacity: int, device: torch.device) -> None:
+    def __init__(self, capacity: int, device: torch.device, depth: int = READBACK_DEPTH) -> None:
         self.capacity = capacity
-        self.ring = PinnedRing(8 * capacity, READBACK_DEPTH, device)
+        self.ring = PinnedRing(8 * capacity, depth, device)
         self._host = [buf.view(torch.int64) for buf in self.ring.buffers]
 
     def start(self, tokens: torch.Tensor) -> tuple[int, int] | None:
