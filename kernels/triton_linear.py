@@ -59,11 +59,30 @@ def _rows_result(y0, y1, y2, y3):
 def _epilogue(y, n_ld, mask, out_ptrs, bias_ptr, res_ptrs, HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr):
     """Bias, the result rounded once to the output dtype, then (RESIDUAL) the residual stream's add,
     rounded again: what linear followed by the residual add of rms_norm computes, in one store."""
+    bias, res = _epilogue_inputs(n_ld, mask, bias_ptr, res_ptrs, HAS_BIAS, RESIDUAL)
+    _epilogue_store(y, mask, out_ptrs, bias, res, HAS_BIAS, RESIDUAL)
+
+
+@triton.jit
+def _epilogue_inputs(n_ld, mask, bias_ptr, res_ptrs, HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr):
+    """_epilogue's bias and residual values (float32; 0.0 where the form has none)."""
+    bias = 0.0
+    res = 0.0
     if HAS_BIAS:
-        y += tl.load(bias_ptr + n_ld).to(tl.float32)
+        bias = tl.load(bias_ptr + n_ld).to(tl.float32)
+    if RESIDUAL:
+        res = tl.load(res_ptrs, mask=mask, other=0.0).to(tl.float32)
+    return bias, res
+
+
+@triton.jit
+def _epilogue_store(y, mask, out_ptrs, bias, res, HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr):
+    """_epilogue on values loaded beforehand (the decode GEMV loads them before its PDL wait)."""
+    if HAS_BIAS:
+        y += bias
     yo = y.to(out_ptrs.dtype.element_ty)
     if RESIDUAL:
-        yo = (yo.to(tl.float32) + tl.load(res_ptrs, mask=mask, other=0.0).to(tl.float32)).to(yo.dtype)
+        yo = (yo.to(tl.float32) + res).to(yo.dtype)
     tl.store(out_ptrs, yo, mask=mask)
 
 
@@ -124,11 +143,12 @@ def _gated_epilogue(y, idx, N, pid_n, bias_ptr, out_ptr, HAS_BIAS: tl.constexpr,
 
 
 @triton.jit
-def _gemv_store(y, n, N, pid_n, pid_k, num_splits, bias_ptr, out_ptr, part_ptr, counters_ptr, res_ptr,
+def _gemv_store(y, n, N, pid_n, pid_k, num_splits, bias_ptr, out_ptr, part_ptr, counters_ptr, bias, res,
                 HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, RESIDUAL: tl.constexpr, GATED: tl.constexpr,
                 ROWS: tl.constexpr):
     """The row results y at output indices n (_gemv_rows), summed over K splits by the last split to
-    arrive, through the epilogue: _epilogue's, or GATED's silu(gate) * up."""
+    arrive, through the epilogue: _epilogue's (bias, res: _gemv_epilogue_inputs' values), or GATED's
+    silu(gate) * up."""
     mask = n < N
     n_ld = tl.minimum(n, N - 1)
     if SPLIT:
@@ -141,11 +161,20 @@ def _gemv_store(y, n, N, pid_n, pid_k, num_splits, bias_ptr, out_ptr, part_ptr, 
             if GATED:
                 _gated_epilogue(acc, n, N, pid_n, bias_ptr, out_ptr, HAS_BIAS, ROWS)
             else:
-                _epilogue(acc, n_ld, mask, out_ptr + n, bias_ptr, res_ptr + n_ld, HAS_BIAS, RESIDUAL)
+                _epilogue_store(acc, mask, out_ptr + n, bias, res, HAS_BIAS, RESIDUAL)
     elif GATED:
         _gated_epilogue(y, n, N, pid_n, bias_ptr, out_ptr, HAS_BIAS, ROWS)
     else:
-        _epilogue(y, n_ld, mask, out_ptr + n, bias_ptr, res_ptr + n_ld, HAS_BIAS, RESIDUAL)
+        _epilogue_store(y, mask, out_ptr + n, bias, res, HAS_BIAS, RESIDUAL)
+
+
+@triton.jit
+def _gemv_epilogue_inputs(n, N, bias_ptr, res_ptr, HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr,
+                          GATED: tl.constexpr):
+    """The bias and residual at output indices n, for _gemv_store, loaded before the PDL wait, off the
+    chain of loads after the row reduction (GATED loads its bias in its own epilogue)."""
+    n_ld = tl.minimum(n, N - 1)
+    return _epilogue_inputs(n_ld, n < N, bias_ptr, res_ptr + n_ld, HAS_BIAS and not GATED, RESIDUAL)
 
 
 @triton.jit
@@ -236,16 +265,26 @@ def _dot_loaded(acc, wv, s, mn, x0, x1, x2, x3, xsum, magic_xsum, FORMAT: tl.con
 
 
 @triton.jit
-def _x_step(x_ptr, nw_ptr, K, k, km, inv, dt: tl.constexpr, NORM: tl.constexpr, SILU: tl.constexpr,
+def _norm_weights(nw_ptr, k, km, NORM: tl.constexpr):
+    """The norm weight at one step's columns k (NORM), loaded apart from x: for the first step, before
+    the PDL wait (a weight, never written during a step)."""
+    nwv = 0.0
+    if NORM:
+        nwv = tl.load(nw_ptr + k, mask=km, other=0.0)
+    return nwv
+
+
+@triton.jit
+def _x_step(x_ptr, nwv, K, k, km, inv, dt: tl.constexpr, NORM: tl.constexpr, SILU: tl.constexpr,
             EVEN_K: tl.constexpr, C: tl.constexpr, VEC: tl.constexpr):
-    """x at one step's columns k, through the fused prologue (NORM, SILU): its quarters, its chunk sums,
-    and 32768 times them (the w8 constant's share)."""
+    """x at one step's columns k, through the fused prologue (NORM: nwv the step's _norm_weights; SILU):
+    its quarters, its chunk sums, and 32768 times them (the w8 constant's share)."""
     if EVEN_K:
         xv = tl.load(x_ptr + k).to(tl.float32)
     else:
         xv = tl.load(x_ptr + k, mask=km, other=0.0).to(tl.float32)
     if NORM:
-        xv = _round_as(tl.load(nw_ptr + k, mask=km, other=0.0).to(tl.float32) * (xv * inv), dt)
+        xv = _round_as(nwv.to(tl.float32) * (xv * inv), dt)
     if SILU:
         xv = _round_as(_silu_mul(xv, tl.load(x_ptr + K + k, mask=km, other=0.0).to(tl.float32)), dt)
     xsum = tl.sum(xv, axis=1)
@@ -301,11 +340,13 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr, 
     if ROWS > 2:
         w2, sc2, mn2 = _load_row(r2, s2, m2, k, grp, km, cm, FORMAT, EVEN_K)
         w3, sc3, mn3 = _load_row(r3, s3, m3, k, grp, km, cm, FORMAT, EVEN_K)
+    bias, res = _gemv_epilogue_inputs(n, N, bias_ptr, res_ptr, HAS_BIAS, RESIDUAL, GATED)
+    nwv = _norm_weights(nw_ptr, k, km, NORM)
     pdl_begin(PDL)
     inv = 1.0
     if NORM:
         inv = _rms_inv(x_ptr, K, eps, BLOCK_K)
-    x0, x1, x2, x3, xsum, magic_xsum = _x_step(x_ptr, nw_ptr, K, k, km, inv, dt, NORM, SILU, EVEN_K, C, VEC)
+    x0, x1, x2, x3, xsum, magic_xsum = _x_step(x_ptr, nwv, K, k, km, inv, dt, NORM, SILU, EVEN_K, C, VEC)
     a0 = _dot_loaded(a0, w0, sc0, mn0, x0, x1, x2, x3, xsum, magic_xsum, FORMAT, C, VEC, ASM, EXACT)
     if ROWS > 1:
         a1 = _dot_loaded(a1, w1, sc1, mn1, x0, x1, x2, x3, xsum, magic_xsum, FORMAT, C, VEC, ASM, EXACT)
@@ -317,7 +358,8 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr, 
         km = k < k_hi
         grp = (k0 + chunk) // GROUP_SIZE
         cm = k0 + chunk < k_hi
-        x0, x1, x2, x3, xsum, magic_xsum = _x_step(x_ptr, nw_ptr, K, k, km, inv, dt, NORM, SILU, EVEN_K, C, VEC)
+        nwv = _norm_weights(nw_ptr, k, km, NORM)
+        x0, x1, x2, x3, xsum, magic_xsum = _x_step(x_ptr, nwv, K, k, km, inv, dt, NORM, SILU, EVEN_K, C, VEC)
         w0, sc0, mn0 = _load_row(r0, s0, m0, k, grp, km, cm, FORMAT, EVEN_K)
         a0 = _dot_loaded(a0, w0, sc0, mn0, x0, x1, x2, x3, xsum, magic_xsum, FORMAT, C, VEC, ASM, EXACT)
         if ROWS > 1:
@@ -329,7 +371,7 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr, 
             w3, sc3, mn3 = _load_row(r3, s3, m3, k, grp, km, cm, FORMAT, EVEN_K)
             a3 = _dot_loaded(a3, w3, sc3, mn3, x0, x1, x2, x3, xsum, magic_xsum, FORMAT, C, VEC, ASM, EXACT)
     y = _rows_result(tl.sum(a0, axis=0), tl.sum(a1, axis=0), tl.sum(a2, axis=0), tl.sum(a3, axis=0))
-    _gemv_store(y, n, N, pid_n, pid_k, num_splits, bias_ptr, out_ptr, part_ptr, counters_ptr, res_ptr, HAS_BIAS,
+    _gemv_store(y, n, N, pid_n, pid_k, num_splits, bias_ptr, out_ptr, part_ptr, counters_ptr, bias, res, HAS_BIAS,
                 SPLIT, RESIDUAL, GATED, ROWS)
 
 
@@ -414,17 +456,27 @@ def _dot_loaded_w4(acc, b, s, mn, e0, e1, e2, e3, o0, o1, o2, o3, xsum, magic_xs
 
 
 @triton.jit
-def _x_step_w4(xw_ptr, nw_ptr, KB, byte, cm, inv, X_KIND: tl.constexpr, NORM: tl.constexpr, SILU: tl.constexpr,
+def _norm_words(nw_ptr, byte, cm, NORM: tl.constexpr):
+    """The norm weight's words at one step's bytes (NORM), as _norm_weights."""
+    nww = 0
+    if NORM:
+        nww = tl.load(nw_ptr + byte, mask=cm[:, None], other=0)
+    return nww
+
+
+@triton.jit
+def _x_step_w4(xw_ptr, nww, KB, byte, cm, inv, X_KIND: tl.constexpr, NORM: tl.constexpr, SILU: tl.constexpr,
                EVEN_K: tl.constexpr, C: tl.constexpr):
-    """x at one step's bytes (the words of its pairs), through the fused prologue (NORM, SILU): the
-    quarters of x[even] and x[odd], the chunk sums, and the constants' share (_dot_loaded_w4)."""
+    """x at one step's bytes (the words of its pairs), through the fused prologue (NORM: nww the step's
+    _norm_words; SILU): the quarters of x[even] and x[odd], the chunk sums, and the constants' share
+    (_dot_loaded_w4)."""
     if EVEN_K:
         xv = tl.load(xw_ptr + byte)
     else:
         xv = tl.load(xw_ptr + byte, mask=cm[:, None], other=0)
     xe, xo = _x_pairs(xv, X_KIND)
     if NORM:
-        we, wo = _x_pairs(tl.load(nw_ptr + byte, mask=cm[:, None], other=0), X_KIND)
+        we, wo = _x_pairs(nww, X_KIND)
         xe = _round_words(we * (xe * inv), X_KIND)
         xo = _round_words(wo * (xo * inv), X_KIND)
     if SILU:
@@ -477,11 +529,13 @@ def _gemv_w4_kernel(xw_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_p
     if ROWS > 2:
         w2, sc2, mn2 = _load_row_w4(r2, s2, m2, byte, grp, cm, EVEN_K)
         w3, sc3, mn3 = _load_row_w4(r3, s3, m3, byte, grp, cm, EVEN_K)
+    bias, res = _gemv_epilogue_inputs(n, N, bias_ptr, res_ptr, HAS_BIAS, RESIDUAL, GATED)
+    nww = _norm_words(nw_ptr, byte, cm, NORM)
     pdl_begin(PDL)
     inv = 1.0
     if NORM:
         inv = _rms_inv_words(xw_ptr, KB, eps, X_KIND, BLOCK_KB)
-    e0, e1, e2, e3, o0, o1, o2, o3, xsum, magic_xsum = _x_step_w4(xw_ptr, nw_ptr, KB, byte, cm, inv, X_KIND, NORM,
+    e0, e1, e2, e3, o0, o1, o2, o3, xsum, magic_xsum = _x_step_w4(xw_ptr, nww, KB, byte, cm, inv, X_KIND, NORM,
                                                                   SILU, EVEN_K, C)
     a0 = _dot_loaded_w4(a0, w0, sc0, mn0, e0, e1, e2, e3, o0, o1, o2, o3, xsum, magic_xsum, C, ASM, EXACT)
     if ROWS > 1:
@@ -494,7 +548,8 @@ def _gemv_w4_kernel(xw_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_p
         byte = start[:, None] + v[None, :]
         grp = start // (GROUP_SIZE // 2)
         cm = start < b_hi
-        e0, e1, e2, e3, o0, o1, o2, o3, xsum, magic_xsum = _x_step_w4(xw_ptr, nw_ptr, KB, byte, cm, inv, X_KIND,
+        nww = _norm_words(nw_ptr, byte, cm, NORM)
+        e0, e1, e2, e3, o0, o1, o2, o3, xsum, magic_xsum = _x_step_w4(xw_ptr, nww, KB, byte, cm, inv, X_KIND,
                                                                       NORM, SILU, EVEN_K, C)
         w0, sc0, mn0 = _load_row_w4(r0, s0, m0, byte, grp, cm, EVEN_K)
         a0 = _dot_loaded_w4(a0, w0, sc0, mn0, e0, e1, e2, e3, o0, o1, o2, o3, xsum, magic_xsum, C, ASM, EXACT)
@@ -507,7 +562,7 @@ def _gemv_w4_kernel(xw_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_p
             w3, sc3, mn3 = _load_row_w4(r3, s3, m3, byte, grp, cm, EVEN_K)
             a3 = _dot_loaded_w4(a3, w3, sc3, mn3, e0, e1, e2, e3, o0, o1, o2, o3, xsum, magic_xsum, C, ASM, EXACT)
     y = _rows_result(tl.sum(a0, axis=0), tl.sum(a1, axis=0), tl.sum(a2, axis=0), tl.sum(a3, axis=0))
-    _gemv_store(y, n, N, pid_n, pid_k, num_splits, bias_ptr, out_ptr, part_ptr, counters_ptr, res_ptr, HAS_BIAS,
+    _gemv_store(y, n, N, pid_n, pid_k, num_splits, bias_ptr, out_ptr, part_ptr, counters_ptr, bias, res, HAS_BIAS,
                 SPLIT, RESIDUAL, GATED, ROWS)
 
 
@@ -854,7 +909,9 @@ def linear(x: torch.Tensor, w: LinearWeight, config: LinearConfig | None = None,
     rounded result plus residual; silu_mul_out, W's rows are [gate | up] and the result is
     silu(gate) * up [..., N / 2]. One kernel for a single row (the decode GEMV) whatever the form;
     several rows run the norm and the SiLUs as their own kernels (the matmul adds the residual).
-    fuse_input overrides the size rule for the norm and the SiLUs of a single row (benchmarks)."""
+    fuse_input overrides the size rule for the norm and the SiLUs of a single row (benchmarks).
+    Under PDL the decode GEMV loads its residual (and bias) before the wait on the kernel launched just
+    before it: that kernel must not write the residual (in the model an earlier one always does)."""
     out_dtype = out_dtype or x.dtype
     if silu_mul_out:
         check_silu_mul_out(w, residual)

@@ -11,10 +11,12 @@ from .triton_pdl import pdl_begin, pdl_launch
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, h_ptr, n_cols, stride_x, stride_r, stride_o, stride_h,
                      eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    pdl_begin(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
+    # the norm weight is never written during a step: under PDL its load overlaps the previous kernel
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    pdl_begin(PDL)
     h = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RES:
         # the add rounds to the activation dtype, as the reference's x + residual does
@@ -22,7 +24,6 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, h_ptr, n_cols, stride_x, st
         tl.store(h_ptr + row * stride_h + cols, h, mask=mask)
     hf = h.to(tl.float32)
     inv = tl.rsqrt(tl.sum(hf * hf, axis=0) / n_cols + eps)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     # float32 to the end, rounded once (kernels/__init__.py's numerics policy)
     tl.store(out_ptr + row * stride_o + cols, (w * (hf * inv)).to(out_ptr.dtype.element_ty), mask=mask)
 

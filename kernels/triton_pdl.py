@@ -6,10 +6,12 @@ before it on the stream is still finishing, so its launch overlaps that kernel's
 graphs too. Every kernel launched so calls `pdl_begin`: griddepcontrol.wait (the previous kernel has
 completed and its memory is visible), then griddepcontrol.launch_dependents (the next kernel may be
 scheduled). Before it a kernel may only load what the previous kernel cannot write: the GEMVs load
-their first step of weights there, rope_write_kv its position, angles and slot, decode attention its
-first K/V tile but for the newest token. That takes those loads off the chain of dependent loads a
-step is (SmolLM2 w8 batch 1: 1,817 -> 2,226 tok/s on an H200). Every store comes after it. Kernels
-launched without the flag, torch's among them, wait for their predecessor as always.
+their first step of weights, their bias, residual and first step of norm weight there, rms_norm its
+weight, rope_write_kv its position, angles and slot, decode attention its first K/V tile but for the
+newest token. That takes those loads off the chain of dependent loads a step is (SmolLM2 w8 batch 1:
+1,817 -> 2,226 tok/s on an H200; the residual and norm loads 2,220 -> 2,260, docs/BENCHMARKS.md).
+Every store comes after it. Kernels launched without the flag, torch's among them, wait for their
+predecessor as always.
 
 Off where the instructions do not exist (before sm_90, the Triton interpreter) and with EDGED_PDL=0
 (read once per process, e.g. for `edged bench decode` with and without it).

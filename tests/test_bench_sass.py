@@ -17,7 +17,7 @@ pytest.importorskip("triton")
 if os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("compiles for a GPU: not under the Triton interpreter", allow_module_level=True)
 
-from edged.bench.sass import gemv_loop  # noqa: E402
+from edged.bench.sass import compile_gemv, gemv_loop  # noqa: E402
 
 
 @pytest.mark.parametrize("fmt,shape", [("w8", (28672, 4096)), ("w4", (4096, 14336))])
@@ -31,6 +31,17 @@ def test_decode_gemv_loop_streams_weights_without_shuffles_under_4_5_instruction
     prmt_per_weight = stats.opcodes["PRMT"] / stats.weights_per_iteration
     assert prmt_per_weight >= (1.0 if fmt == "w8" else 0.5)
     assert stats.per_weight < 4.5, (stats.per_weight, stats.opcodes.most_common(8))
+
+
+@pytest.mark.parametrize("fmt", ["w8", "w4"])
+@pytest.mark.parametrize("forms", [dict(NORM=True), dict(SILU=True), dict(RESIDUAL=True), dict(HAS_BIAS=True),
+                                   dict(GATED=True), dict(NORM=True, RESIDUAL=True, HAS_BIAS=True)],
+                         ids=lambda f: "+".join(f))
+def test_every_fused_form_of_the_decode_gemv_compiles_for_hopper(fmt, forms) -> None:
+    """The interpreter runs these forms but does not type-check them as the compiler does (a jit helper
+    returning a tensor or a float compiled nowhere but ran interpreted): compile each for sm_90 here."""
+    compiled, _ = compile_gemv(fmt, 3072, 2048, **forms)
+    assert compiled.asm["cubin"]
 
 
 def test_bench_sass_prints_a_row_per_shape_and_format() -> None:

@@ -92,9 +92,10 @@ def _signature(fn, pointers: dict[str, str], ints: dict[str, int], constexprs: d
     return sig, {k: v for k, v in constexprs.items() if k in fn.arg_names}, attrs
 
 
-def gemv_loop(fmt: str, n: int, k: int, arch: int = 90) -> tuple[LoopStats, tlin.LinearConfig]:
-    """Compile the bf16 decode GEMV of an [n, k] w8 or w4 weight as `linear` launches it on an H200 and
-    count its K loop."""
+def compile_gemv(fmt: str, n: int, k: int, arch: int = 90, **forms: bool):
+    """Triton's compiled decode GEMV of an [n, k] w8 or w4 weight and bf16 x, as `linear` launches it on
+    an H200, with the fused forms given (NORM, SILU, RESIDUAL, HAS_BIAS, GATED: off unless named), and
+    the launch rule's config. Compiles for the GPU without one (Triton's own ptxas)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -102,28 +103,39 @@ def gemv_loop(fmt: str, n: int, k: int, arch: int = 90) -> tuple[LoopStats, tlin
     cfg = tlin.choose_config(1, n, k, fmt, torch.device("cuda"), sm_count=H200_SMS)
     common = dict(HAS_BIAS=False, SPLIT=cfg.split > 1, GROUP_SIZE=32, ROWS=cfg.block_n, NORM=False, SILU=False,
                   RESIDUAL=False, PDL=arch >= 90, ASM=True, GATED=False, EXACT=False)
+    common.update(forms)
     if fmt == "w4":
         fn, block_kb, row = tlin._gemv_w4_kernel, max(16, cfg.block_k // 2), k // 2
         constexprs = dict(common, X_KIND=0, EVEN_K=row % block_kb == 0, BLOCK_KB=block_kb)
         pointers = {"xw_ptr": "*i32", "w_ptr": "*u8", "nw_ptr": "*i32"}
-        step, step_weights = block_kb, 2 * block_kb
+        step = block_kb
     elif fmt == "w8":
         fn, row = tlin._gemv_kernel, k
         constexprs = dict(common, FORMAT=1, EVEN_K=k % cfg.block_k == 0, BLOCK_K=cfg.block_k, VEC=16)
         pointers = {"x_ptr": "*bf16", "w_ptr": "*u8", "nw_ptr": "*bf16"}
-        step = step_weights = cfg.block_k
+        step = cfg.block_k
     else:
         raise ValueError(f"edged bench sass counts the w8 and w4 GEMVs, not {fmt!r}")
     per = -(-(-(-row // cfg.split)) // step) * step  # as linear() splits the row
     ints = {"N": n, "K": k, "KB": row, "k_per_split": per, "kb_per_split": per, "num_splits": cfg.split,
             "stride_wn": row, "stride_sn": k // 32}
-    pointers.update({"scale_ptr": "*fp16", "min_ptr": "*fp16", "bias_ptr": "*u8", "out_ptr": "*bf16",
+    pointers.update({"scale_ptr": "*fp16", "min_ptr": "*fp16", "bias_ptr": "*bf16", "out_ptr": "*bf16",
                      "part_ptr": "*fp32", "counters_ptr": "*i32", "res_ptr": "*bf16"})
     sig, consts, attrs = _signature(fn, pointers, ints, constexprs)
     compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
                               target=GPUTarget("cuda", arch, 32),
                               options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
                                        "enable_fp_fusion": True})  # as the kernels launch (a * b + c -> FMA)
+    return compiled, cfg
+
+
+def gemv_loop(fmt: str, n: int, k: int, arch: int = 90) -> tuple[LoopStats, tlin.LinearConfig]:
+    """Compile the bf16 decode GEMV of an [n, k] w8 or w4 weight as `linear` launches it on an H200 and
+    count its K loop."""
+    import triton
+
+    compiled, cfg = compile_gemv(fmt, n, k, arch)
+    step_weights = cfg.block_k if fmt == "w8" else 2 * max(16, cfg.block_k // 2)
     nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])
