@@ -16,6 +16,22 @@ from edged.bench.tiny_model import write_tiny_hf_dir
 from edged.models.default_model import default_model_path
 from edged.models.loader import LoadedModel, load_model
 from helpers.hf_gguf import fast_gguf_parsing
+from helpers.interpreted_child import interpreted_child, stop_all
+
+INTERPRETED_FILE = Path(__file__).parent / "test_kernels_triton.py"
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the interpreted child run of the Triton kernel tests now (niced, one thread), so that it
+    overlaps the tests before them instead of adding ~110 s to the suite."""
+    if os.environ.get("TRITON_INTERPRET") == "1" or session.config.option.collectonly:
+        return
+    if any(Path(item.fspath) == INTERPRETED_FILE for item in session.items):
+        interpreted_child(INTERPRETED_FILE).start()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    stop_all()
 
 
 @pytest.fixture(scope="session")

@@ -4,18 +4,14 @@ Small shapes, float16 and float32 (the interpreter computes bfloat16 wrongly).
 
 The interpreter has to be on before `import triton` (triton's own tl.zeros, tl.sum, ... are jit
 functions too), and it must stay off for the GPU tests in the same pytest process. So unless this
-process already runs interpreted (TRITON_INTERPRET=1 from the start), the first test runs this file
-once in a child pytest with TRITON_INTERPRET=1, and every test here reports its own result from that
-run. Run `TRITON_INTERPRET=1 pytest tests/test_kernels_triton.py` to see tracebacks directly.
+process already runs interpreted (TRITON_INTERPRET=1 from the start), this file runs once in a child
+pytest with TRITON_INTERPRET=1 (helpers/interpreted_child.py; conftest starts it when collection ends),
+and every test here reports its own result from that run. Run `TRITON_INTERPRET=1 pytest
+tests/test_kernels_triton.py` to see tracebacks directly.
 """
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-import tempfile
-import xml.etree.ElementTree as ET
-from pathlib import Path
 from typing import Callable
 
 import pytest
@@ -23,6 +19,7 @@ import torch
 
 from edged.kernels import reference
 from edged.kernels.weights import LinearWeight, dequantize, pack_w4, quantize_w4, quantize_w8
+from helpers.interpreted_child import interpreted_child
 from helpers.kernel_inputs import make_weight
 from helpers.sampling import allowed_tokens
 
@@ -58,35 +55,6 @@ if INTERPRETED:
         tl.store(lo_ptr + i, lo)
         tl.store(hi_ptr + i, hi)
 
-_CHILD_RESULTS: dict[str, tuple[str, str]] | None = None
-
-
-def _child_results() -> dict[str, tuple[str, str]]:
-    """{test name: (outcome, detail)} from one interpreted child run of this file."""
-    global _CHILD_RESULTS
-    if _CHILD_RESULTS is None:
-        with tempfile.TemporaryDirectory() as tmp:
-            report = Path(tmp) / "report.xml"
-            env = dict(os.environ, TRITON_INTERPRET="1")
-            proc = subprocess.run(
-                [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", f"--junitxml={report}"],
-                env=env, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True)
-            tail = (proc.stdout + proc.stderr)[-6000:]
-            results: dict[str, tuple[str, str]] = {"": ("missing", tail)}
-            if report.exists():
-                for case in ET.parse(report).getroot().iter("testcase"):
-                    outcome, detail = "passed", ""
-                    for tag in ("failure", "error", "skipped"):
-                        el = case.find(tag)
-                        if el is not None:
-                            outcome = "skipped" if tag == "skipped" else "failed"
-                            detail = (el.get("message") or "") + "\n" + (el.text or "")
-                            break
-                    results[case.get("name", "")] = (outcome, detail)
-            _CHILD_RESULTS = results
-    return _CHILD_RESULTS
-
-
 def _replay(outcome: str, detail: str) -> Callable[..., None]:
     def run(**_: object) -> None:
         if outcome != "passed":
@@ -100,7 +68,7 @@ def _interpreted_run(request: pytest.FixtureRequest) -> None:
     """Outside the interpreter, swap each test's body for its outcome in the child run."""
     if INTERPRETED:
         return
-    results = _child_results()
+    results = interpreted_child(__file__).results()
     outcome, detail = results.get(request.node.name, ("missing", results[""][1]))
     if outcome == "skipped":
         pytest.skip(detail.strip().splitlines()[0] if detail.strip() else "skipped in the child run")

@@ -9,4 +9,5 @@ sysfs         fake /sys PCI trees for topology tests
 kernel_inputs random kernel inputs (quantized weights, a paged KV cache) on any device
 gguf          llama.cpp's q/k row permutation, to check the loaders undo it
 cache_writer  a script that writes result-cache entries until it is killed
+interpreted_child  a test file's child pytest run under Triton's interpreter, started early
 """
