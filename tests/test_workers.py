@@ -43,11 +43,12 @@ auth:
       burst: 2
     - name: open
       sha256: {hash_api_key(OPEN_KEY)}
-      tier: bronze  # 10 s: a loaded 2-core box refused 2-6 of 12 streams under silver's 2 s target (429)
+      tier: bronze  # 60 s: these tests are not about admission; a 2-core box running 3x slow refused some
+                    # of 12 streams under silver's 2 s target and, once, under a 10 s one (429)
 tiers:
   gold: {{weight: 8, ttft_target_ms: 500, max_queue: 64}}
   silver: {{weight: 4, ttft_target_ms: 2000, max_queue: 256}}
-  bronze: {{weight: 1, ttft_target_ms: 10000, max_queue: 1024}}
+  bronze: {{weight: 1, ttft_target_ms: 60000, max_queue: 1024}}
 """
 AUTH = {"authorization": f"Bearer {OPEN_KEY}"}
 
