@@ -26,7 +26,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     overlaps the tests before them instead of adding ~110 s to the suite."""
     if os.environ.get("TRITON_INTERPRET") == "1" or session.config.option.collectonly:
         return
-    if any(Path(item.fspath) == INTERPRETED_FILE for item in session.items):
+    if any(item.path == INTERPRETED_FILE for item in session.items):
         interpreted_child(INTERPRETED_FILE).start()
 
 

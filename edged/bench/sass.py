@@ -92,6 +92,11 @@ def _signature(fn, pointers: dict[str, str], ints: dict[str, int], constexprs: d
     return sig, {k: v for k, v in constexprs.items() if k in fn.arg_names}, attrs
 
 
+def _step(fmt: str, cfg: tlin.LinearConfig) -> int:
+    """Columns of x a K step covers in the w8 GEMV, bytes of a row in the w4 one (two weights a byte)."""
+    return max(16, cfg.block_k // 2) if fmt == "w4" else cfg.block_k
+
+
 def compile_gemv(fmt: str, n: int, k: int, arch: int = 90, **forms: bool):
     """Triton's compiled decode GEMV of an [n, k] w8 or w4 weight and bf16 x, as `linear` launches it on
     an H200, with the fused forms given (NORM, SILU, RESIDUAL, HAS_BIAS, GATED: off unless named), and
@@ -104,16 +109,15 @@ def compile_gemv(fmt: str, n: int, k: int, arch: int = 90, **forms: bool):
     common = dict(HAS_BIAS=False, SPLIT=cfg.split > 1, GROUP_SIZE=32, ROWS=cfg.block_n, NORM=False, SILU=False,
                   RESIDUAL=False, PDL=arch >= 90, ASM=True, GATED=False, EXACT=False)
     common.update(forms)
+    step = _step(fmt, cfg)
     if fmt == "w4":
-        fn, block_kb, row = tlin._gemv_w4_kernel, max(16, cfg.block_k // 2), k // 2
-        constexprs = dict(common, X_KIND=0, EVEN_K=row % block_kb == 0, BLOCK_KB=block_kb)
+        fn, row = tlin._gemv_w4_kernel, k // 2
+        constexprs = dict(common, X_KIND=0, EVEN_K=row % step == 0, BLOCK_KB=step)
         pointers = {"xw_ptr": "*i32", "w_ptr": "*u8", "nw_ptr": "*i32"}
-        step = block_kb
     elif fmt == "w8":
         fn, row = tlin._gemv_kernel, k
-        constexprs = dict(common, FORMAT=1, EVEN_K=k % cfg.block_k == 0, BLOCK_K=cfg.block_k, VEC=16)
+        constexprs = dict(common, FORMAT=1, EVEN_K=k % step == 0, BLOCK_K=step, VEC=16)
         pointers = {"x_ptr": "*bf16", "w_ptr": "*u8", "nw_ptr": "*bf16"}
-        step = cfg.block_k
     else:
         raise ValueError(f"edged bench sass counts the w8 and w4 GEMVs, not {fmt!r}")
     per = -(-(-(-row // cfg.split)) // step) * step  # as linear() splits the row
@@ -135,7 +139,7 @@ def gemv_loop(fmt: str, n: int, k: int, arch: int = 90) -> tuple[LoopStats, tlin
     import triton
 
     compiled, cfg = compile_gemv(fmt, n, k, arch)
-    step_weights = cfg.block_k if fmt == "w8" else 2 * max(16, cfg.block_k // 2)
+    step_weights = _step(fmt, cfg) * (2 if fmt == "w4" else 1)
     nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])
