@@ -109,6 +109,7 @@ def test_a_bronze_burst_does_not_slow_gold_and_is_refused_rather_than_served_lat
     try:
         solo = asyncio.run(solo_gold(d))
         bronze, gold = asyncio.run(burst(d))
+        gold_refusals = [line.strip() for line in d.lines if "admission refused" in line and "tier=gold" in line]
     finally:
         d.stop()
     assert all(r.status == 200 and r.done for r in solo)
@@ -125,8 +126,9 @@ def test_a_bronze_burst_does_not_slow_gold_and_is_refused_rather_than_served_lat
           f"{max((r.ttft_s or 0) for r in admitted):.2f} s, bronze late "
           f"{sum(1 for r in admitted if (r.ttft_s or 0) > 10.0)}")
     # Every admitted request completes; gold is never refused.
-    assert all(r.status == 200 and r.done and r.tokens == GOLD_TOKENS for r in gold), [
-        (r.status, r.done, r.tokens, r.ttft_s) for r in gold]
+    assert all(r.status == 200 and r.done and r.tokens == GOLD_TOKENS for r in gold), (
+        f"gold (status, done, tokens, ttft): {[(r.status, r.done, r.tokens, r.ttft_s) for r in gold]}; "
+        f"solo ttft {solo_ttft:.3f} s; {gold_refusals}")
     assert all(r.done and r.tokens == BRONZE_TOKENS for r in admitted)
     # Gold keeps its first token and its pace near its solo figures. The issue asks for 2x; on this
     # 2-core box 8 runs of this test gave 1.29-1.72x for TTFT and 1.50-1.76x for the pace
