@@ -330,6 +330,41 @@ def test_step_stats_recover_the_step_cost_model() -> None:
     assert m.c == pytest.approx(cost.c, rel=0.02)
 
 
+def test_a_step_model_with_a_negative_intercept_is_refitted_not_clipped() -> None:
+    """Where the unconstrained fit's fixed cost is negative, the model is fitted with a = 0 and b, c
+    refitted; clipping a alone would leave b and c fitted to the negative a, every prediction high by it."""
+    stats = StepStats(prior=StepModel(0.0, 0.001, 0.001))
+    steps = ((0, 2), (0, 8), (16, 2), (64, 4))
+    for _ in range(100):
+        for p, n in steps:
+            stats.record_step(-0.005 + 0.001 * p + 0.004 * n, p, n)  # costs 3 to 75 ms, a = -5 ms
+    m = stats.model
+    assert m.a == 0.0 and min(m.b, m.c) > 0
+    for p, n in steps:  # within 3.5 ms of each; the clipped fit is 5 ms high on every one
+        assert m(p, n) == pytest.approx(-0.005 + 0.001 * p + 0.004 * n, abs=0.0035)
+
+
+def test_admission_charges_a_prompt_only_for_what_the_prefix_cache_does_not_hold() -> None:
+    """A prompt whose leading blocks are cached is predicted, and admitted, as the tokens left to compute."""
+    clock = SimClock()
+    tiers = {"gold": TierConfig(8.0, 500.0, 1000), "bronze": TierConfig(1.0, 5000.0, 1000)}
+    stats = StepStats(prior=StepModel(0.01, 0.004, 0.002))  # 4 ms a prompt token
+    blocks = BlockManager(64, 16)
+    adm = Batcher(blocks, BatchLimits(4, 256), tiers, "bronze", clock=clock, step_stats=stats).admission()
+    shared = list(range(1, 97))  # six blocks: a long system prompt
+    cold = adm.admit(GenerationRequest("cold", shared + [500, 501, 502, 503], SamplingParams(), tier="gold"))
+    assert cold == pytest.approx(stats.prefill_s(100, 256, 1), rel=0.01)
+    adm.release("cold")
+    first = Sequence.from_request(GenerationRequest("first", shared + [7], SamplingParams()), 0, frozenset())
+    assert blocks.allocate(first, 97)
+    first.num_computed = 97
+    blocks.commit(first)  # the engine computed the shared prompt once
+    assert blocks.cached_prefix_tokens(shared + [500, 501, 502, 503]) == 96
+    assert blocks.cached_prefix_tokens([9] + shared) == 0  # a prefix is cached, not any run of tokens
+    warm = adm.admit(GenerationRequest("warm", shared + [500, 501, 502, 503], SamplingParams(), tier="gold"))
+    assert warm == pytest.approx(stats.prefill_s(4, 256, 1), rel=0.01)
+
+
 def test_decode_steps_are_measured_per_batch_size_where_the_fit_is_not_linear() -> None:
     """A CPU reads the weights once for a few rows (flat), then pays per row: the linear fit misjudges
     small batches; decode_step_s and decodes_within use what each batch size measured."""

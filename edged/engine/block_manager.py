@@ -108,6 +108,22 @@ class BlockManager:
             self.counters.prefix_tokens_reused += reused
         return reused
 
+    def cached_prefix_tokens(self, token_ids: list[int]) -> int:
+        """How many leading tokens of a prompt attach_prefix would find cached now (on the device or the
+        host tier), without taking anything: admission's estimate of what is left to compute. Safe to
+        call from another thread: it only hashes and tests dict membership."""
+        if not self.prefix_caching:
+            return 0
+        bs, host = self.block_size, self.host_tier
+        previous = b""
+        reused = 0
+        for i in range((len(token_ids) - 1) // bs):
+            previous = chain_hash(previous, token_ids[i * bs:(i + 1) * bs])
+            if previous not in self.cached and (host is None or previous not in host):
+                break
+            reused += bs
+        return reused
+
     def _restore(self, block_hash: bytes) -> int | None:
         """Copy a block from the host tier into a free device block, named and referenced like a
         device hit; None when the host lacks it, no block is free or the step's budget is spent."""

@@ -13,7 +13,8 @@ drains: T's weighted max-min fair share of the batch slots (slots / mean slot ti
 that have a queue taking their full share and the others what they asked for lately, counted in
 slot time: a tier of short answers holds its slots for less), or the drain rate measured while T
 was backlogged if that is lower. To the slot wait it adds the prefill time of
-what is ahead plus its own prompt, from the engine's recent step times (step_stats.py): for the
+what is ahead plus its own prompt (the part the prefix cache does not hold), from the engine's recent
+step times (step_stats.py): for the
 protected tier (the most important in use), in the step of its own its prompt gets, beside only its
 tier's decodes (batcher.py). The estimate must stay under `headroom` x target.
 
@@ -92,11 +93,14 @@ class AdmissionController:
     preemption: whether the engine preempts lower tiers for an urgent request (Batcher.preemption).
     urgency_fraction: the batcher's; a request relying on preemption starts by then at the latest.
     pending_ttl_s: an admitted request that never reached the engine stops counting after this long.
+    cached_prefix: how many leading tokens of a prompt the engine's prefix cache holds now; a prompt is
+    charged only for the rest, which is what its prefill computes (a shared system prompt is free).
     """
 
     def __init__(self, board: TierBoard, step_stats: StepStats, limits, *, clock: Callable[[], float] = time.monotonic,
                  headroom: float = 0.7, preemption: bool = True, urgency_fraction: float = 0.25,
-                 pending_ttl_s: float = 10.0, max_retry_after_s: float = 60.0, enabled: bool = True) -> None:
+                 pending_ttl_s: float = 10.0, max_retry_after_s: float = 60.0, enabled: bool = True,
+                 cached_prefix: Callable[[list[int]], int] | None = None) -> None:
         self.board = board
         self.stats = step_stats
         self.limits = limits
@@ -107,12 +111,14 @@ class AdmissionController:
         self.pending_ttl_s = pending_ttl_s
         self.max_retry_after_s = max_retry_after_s
         self.enabled = enabled
+        self.cached_prefix = cached_prefix
         self._last_expiry = -math.inf
 
     @classmethod
     def for_batcher(cls, batcher, **kwargs) -> "AdmissionController":
         kwargs.setdefault("preemption", batcher.preemption != "off")
         kwargs.setdefault("urgency_fraction", batcher.urgency_fraction)
+        kwargs.setdefault("cached_prefix", batcher.blocks.cached_prefix_tokens)
         return cls(batcher.board, batcher.step_stats, batcher.limits, clock=batcher.clock, **kwargs)
 
     # --- the door ---
@@ -121,7 +127,7 @@ class AdmissionController:
         predicted TTFT in seconds; raise AdmissionError if it must be refused."""
         now = self.clock()
         board = self.board
-        tokens = len(request.prompt_token_ids)
+        tokens = self._tokens_to_compute(request.prompt_token_ids)
         with board.lock:
             if now - self._last_expiry >= 1.0:
                 self._last_expiry = now
@@ -152,7 +158,9 @@ class AdmissionController:
                         and (bound is None or bound + waited > max(target, 2 * alone))):
                     board.note_rejected(tier, "deadline")
                     retry = self._retry(predicted - target)
-                    self._log_reject(request, tier, "deadline", predicted, retry, st.depth)
+                    self._log_reject(request, tier, "deadline", predicted, retry, st.depth,
+                                     natural=natural, bound=None if bound is None else bound + waited,
+                                     waited=waited)
                     raise AdmissionError(
                         429, f"The server is overloaded: the '{tier}' tier's time-to-first-token target of "
                              f"{cfg.ttft_target_ms:g} ms cannot be met now (predicted "
@@ -165,6 +173,12 @@ class AdmissionController:
             log.debug("admitted %s", fields(request_id=request.request_id, tier=tier, tokens=tokens,
                                             predicted_ttft_ms=round(predicted * 1000, 1), depth=depth))
         return predicted
+
+    def _tokens_to_compute(self, prompt: list[int]) -> int:
+        """The prompt tokens its prefill will compute: those after the prefix the cache holds (at least
+        one: the step needs its logits)."""
+        cached = self.cached_prefix(prompt) if self.cached_prefix is not None and prompt else 0
+        return max(1, len(prompt) - cached)
 
     def release(self, request_id: str) -> None:
         """The request will not reach the engine after all (idempotent; the engine's own bookkeeping
@@ -256,7 +270,9 @@ class AdmissionController:
 
     @staticmethod
     def _log_reject(request: GenerationRequest, tier: str, reason: str, predicted: float, retry: float,
-                    depth: int) -> None:
+                    depth: int, **parts: float | None) -> None:
+        # parts: the estimate's pieces (natural, bound, waited), in ms, for an operator to see which one refused
         log.info("admission refused %s", fields(
             request_id=request.request_id, tier=tier, reason=reason, status=429,
-            predicted_ttft_ms=round(predicted * 1000, 1), retry_after_s=max(1, math.ceil(retry)), depth=depth))
+            predicted_ttft_ms=round(predicted * 1000, 1), retry_after_s=max(1, math.ceil(retry)), depth=depth,
+            **{f"{k}_ms": round(v * 1000, 1) for k, v in parts.items() if v is not None}))

@@ -1,9 +1,9 @@
 """What recent engine steps cost: the model admission control predicts time-to-first-token with.
 
 The engine reports every step (wall time, prompt tokens computed, sequences in the batch); a
-recursive least-squares fit with forgetting keeps `step_s = a + b * prefill_tokens + c * batch_size`
-current, so a slower or faster phase (thermal throttling, a busy PCIe link) shows up within a few
-dozen steps; steps that only decode are also averaged per batch size (`decode_step_s`). Finished
+least-squares fit with forgetting and non-negative coefficients keeps
+`step_s = a + b * prefill_tokens + c * batch_size` current, so a slower or faster phase (thermal
+throttling, a busy PCIe link) shows up within a few dozen steps; steps that only decode are also averaged per batch size (`decode_step_s`). Finished
 sequences report how many tokens they generated, which gives the mean time a sequence holds a batch
 slot. Written on the engine thread, read on the event loop: thread-safe.
 """
@@ -41,20 +41,42 @@ class StepModel:
         return max(0.0, self.a + self.b * prefill_tokens + max(self.c, self.b) * batch_size)
 
 
-def _solve3(m: list[list[float]], v: list[float]) -> list[float] | None:
-    """Gaussian elimination with partial pivoting for a 3x3 system; None if singular."""
+def _solve(m: list[list[float]], v: list[float]) -> list[float] | None:
+    """Gaussian elimination with partial pivoting; None if singular."""
+    n = len(v)
     a = [row[:] + [v[i]] for i, row in enumerate(m)]
-    for col in range(3):
-        piv = max(range(col, 3), key=lambda r: abs(a[r][col]))
+    for col in range(n):
+        piv = max(range(col, n), key=lambda r: abs(a[r][col]))
         if abs(a[piv][col]) < 1e-12:
             return None
         a[col], a[piv] = a[piv], a[col]
-        for r in range(3):
+        for r in range(n):
             if r != col:
                 f = a[r][col] / a[col][col]
-                for k in range(col, 4):
+                for k in range(col, n + 1):
                     a[r][k] -= f * a[col][k]
-    return [a[i][3] / a[i][i] for i in range(3)]
+    return [a[i][n] / a[i][i] for i in range(n)]
+
+
+def _solve_nonnegative(m: list[list[float]], v: list[float]) -> list[float] | None:
+    """argmin over x >= 0 of x'Mx - 2v'x (least squares with non-negative coefficients), M positive
+    definite: the best of the unconstrained solutions on each subset of free coefficients. Clipping a
+    negative coefficient of the full solution instead would leave the others fitted to it, and every
+    prediction off by what was clipped."""
+    n = len(v)
+    best, best_cost = None, math.inf
+    for mask in range(1, 1 << n):
+        free = [i for i in range(n) if mask >> i & 1]
+        sub = _solve([[m[i][j] for j in free] for i in free], [v[i] for i in free])
+        if sub is None or min(sub) < 0:
+            continue
+        x = [0.0] * n
+        for i, xi in zip(free, sub):
+            x[i] = xi
+        cost = sum(x[i] * m[i][j] * x[j] for i in range(n) for j in range(n)) - 2 * sum(v[i] * x[i] for i in range(n))
+        if cost < best_cost:
+            best, best_cost = x, cost
+    return best
 
 
 class StepStats:
@@ -149,10 +171,10 @@ class StepStats:
         k = max(self.prior_weight * self.forget ** (2 * self.steps), 1e-4)
         m = [[self._xx[i][j] + (k if i == j else 0.0) for j in range(3)] for i in range(3)]
         v = [self._xy[i] + k * theta0[i] for i in range(3)]
-        sol = _solve3(m, v)
+        sol = _solve_nonnegative(m, v)
         if sol is None:
             return self._model
-        a, b, c = (max(0.0, s) for s in sol)
+        a, b, c = sol
         return StepModel(a, b / P_SCALE, c / N_SCALE)
 
     def predict_step(self, prefill_tokens: float, batch_size: float) -> float:
