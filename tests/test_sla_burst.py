@@ -120,7 +120,9 @@ def scale_targets_to_this_machine(d: DaemonProcess, config: dict, solo_ttft_s: f
     scale = max(1.0, solo_ttft_s / (SOLO_SHARE_OF_TARGET * gold_target_s))
     if scale > 1.0:
         for tier in config["tiers"].values():
-            tier["ttft_target_ms"] = round(tier["ttft_target_ms"] * scale, 1)
+            for key in ("ttft_target_ms", "tpot_target_ms"):
+                if tier.get(key) is not None:
+                    tier[key] = round(tier[key] * scale, 1)
         assert d.config_path is not None
         write_config(d.config_path, yaml.safe_dump(config))
         mark = len(d.lines)
