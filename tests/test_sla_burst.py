@@ -132,8 +132,9 @@ def scale_targets_to_this_machine(d: DaemonProcess, config: dict, solo_ttft_s: f
 
 
 def test_a_bronze_burst_does_not_slow_gold_and_is_refused_rather_than_served_late(tmp_path: Path) -> None:
-    config = yaml.safe_load(SHIPPED_CONFIG.read_text())
-    d = start_daemon(tmp_path, config_text=SHIPPED_CONFIG.read_text())
+    shipped = SHIPPED_CONFIG.read_text()
+    config = yaml.safe_load(shipped)
+    d = start_daemon(tmp_path, config_text=shipped)
     try:
         solo = asyncio.run(solo_gold(d))
         scale = scale_targets_to_this_machine(d, config, statistics.median(r.ttft_s for r in solo))

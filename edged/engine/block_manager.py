@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -88,11 +89,8 @@ class BlockManager:
         At least one token is left to compute, since the step needs its logits."""
         if not self.prefix_caching or seq.block_table:
             return 0
-        bs = self.block_size
         hashes: list[bytes] = []
-        previous = b""
-        for i in range((seq.num_tokens - 1) // bs):
-            previous = chain_hash(previous, seq.token_ids[i * bs:(i + 1) * bs])
+        for previous in self._leading_block_hashes(seq.token_ids):
             block = self.cached.get(previous)
             if block is not None:
                 self._ref(block)
@@ -100,7 +98,7 @@ class BlockManager:
                 break
             hashes.append(previous)
             seq.block_table.append(block)
-        reused = len(hashes) * bs
+        reused = len(hashes) * self.block_size
         self._seq_hashes[id(seq)] = hashes
         seq.num_computed = seq.num_cached_prefix = reused
         if reused:
@@ -114,15 +112,22 @@ class BlockManager:
         call from another thread: it only hashes and tests dict membership."""
         if not self.prefix_caching:
             return 0
-        bs, host = self.block_size, self.host_tier
-        previous = b""
+        host = self.host_tier
         reused = 0
+        for h in self._leading_block_hashes(token_ids):
+            if h not in self.cached and (host is None or h not in host):
+                break
+            reused += self.block_size
+        return reused
+
+    def _leading_block_hashes(self, token_ids: list[int]) -> Iterator[bytes]:
+        """The chained hashes of a prompt's full blocks, first to last, short of its last token (the
+        step that computes it gives the logits)."""
+        bs = self.block_size
+        previous = b""
         for i in range((len(token_ids) - 1) // bs):
             previous = chain_hash(previous, token_ids[i * bs:(i + 1) * bs])
-            if previous not in self.cached and (host is None or previous not in host):
-                break
-            reused += bs
-        return reused
+            yield previous
 
     def _restore(self, block_hash: bytes) -> int | None:
         """Copy a block from the host tier into a free device block, named and referenced like a

@@ -12,11 +12,10 @@ every other tier the share weighted-fair queueing gives it meanwhile - and how f
 drains: T's weighted max-min fair share of the batch slots (slots / mean slot time, with the tiers
 that have a queue taking their full share and the others what they asked for lately, counted in
 slot time: a tier of short answers holds its slots for less), or the drain rate measured while T
-was backlogged if that is lower. To the slot wait it adds the prefill time of
-what is ahead plus its own prompt (the part the prefix cache does not hold), from the engine's recent
-step times (step_stats.py): for the
-protected tier (the most important in use), in the step of its own its prompt gets, beside only its
-tier's decodes (batcher.py). The estimate must stay under `headroom` x target.
+was backlogged if that is lower. To the slot wait it adds the prefill time of what is ahead plus its
+own prompt (the part the prefix cache does not hold), from the engine's recent step times
+(step_stats.py): for the protected tier (the most important in use), in the step of its own its
+prompt gets, beside only its tier's decodes (batcher.py). The estimate must stay under `headroom` x target.
 
 A request whose tier can preempt running sequences of lower tiers has a firm bound as well: the
 batcher preempts for it once it is urgent, a quarter of its target before its deadline. If the
