@@ -100,6 +100,10 @@ def build_parser(bench_arguments: bool = True) -> argparse.ArgumentParser:
                              "(default: $EDGED_GPT_FAST_DIR)")
     decode.add_argument("--engine", action="store_true",
                         help="CUDA: also time the whole engine step, serial and overlapped")
+    decode.add_argument("--kernel-times", action="store_true",
+                        help="CUDA: also print where each step's device time goes: per kernel name, launches and "
+                             "microseconds a step (torch.profiler over 5 replayed steps; under PDL a kernel's wait "
+                             "for the one before counts as its time: EDGED_PDL=0 for times that add up)")
     decode.add_argument("--model", help="CPU: a .gguf file (default: the embedded SmolLM2)")
     decode.add_argument("--threads", type=int, help="CPU: threads for edged and the peer (default: physical cores)")
     decode.add_argument("--prompt-tokens", type=int, default=128, help="CPU: prompt length timed for prefill")

@@ -74,6 +74,23 @@ def test_bench_decode_at_a_tiny_size_prints_one_row_per_quant_and_batch() -> Non
 
 @pytest.mark.gpu
 @needs_cuda
+def test_bench_decode_kernel_times_list_the_steps_kernels() -> None:
+    """--kernel-times: after the table, the step's kernels from the profiler; the decode GEMV launches at
+    least four times a layer (qkv, o, gate_up, down) and the rows' launches cover the table's count."""
+    r = edged("bench", "decode", "--shapes", "smollm2-135m", "--quant", "w8", "--batch", "1", "--steps", "4",
+              "--kernel-times")
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    table_row = next(line.split() for line in lines if line.startswith("smollm2-135m  w8"))
+    start = lines.index(next(line for line in lines if line.startswith("smollm2-135m w8 batch 1:")))
+    rows = {line.split()[0]: line.split() for line in lines[start + 2:] if line.startswith("  ")}
+    assert float(rows["_gemv_kernel"][-3]) >= 4 * 30, r.stdout
+    launches = sum(float(row[-3]) for name, row in rows.items() if not name.startswith(("Memcpy", "Memset")))
+    assert launches >= int(table_row[9]), r.stdout
+
+
+@pytest.mark.gpu
+@needs_cuda
 def test_bench_kernels_prints_every_kernel_without_a_failure() -> None:
     r = edged("bench", "kernels", timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr

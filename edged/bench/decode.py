@@ -13,7 +13,7 @@ import gc
 import os
 import time
 from dataclasses import dataclass, replace
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 
@@ -29,6 +29,15 @@ BLOCK = 16
 SHORT_WINDOW_MS = 50.0  # a row timed over less swings with GPU clocks and host hiccups (SmolLM2, 32 steps)
 
 
+@dataclass(frozen=True)
+class KernelTime:
+    """One kernel name's share of a decode step: launches and device microseconds a step."""
+
+    name: str
+    calls: float
+    us: float
+
+
 @dataclass
 class DecodeResult:
     shape: str
@@ -40,6 +49,8 @@ class DecodeResult:
     roofline_tok_s: float
     kernels: int | None = None  # GPU kernels a decode step launches (the captured graph's kernels)
     kernels_per_layer: float | None = None
+    kernel_times: list[KernelTime] | None = None  # --kernel-times: where the step's device time goes
+
 
     @property
     def fraction(self) -> float:
@@ -85,6 +96,49 @@ def count_kernels(run: Callable[[], object]) -> int | None:
     return len(kernels) or None
 
 
+def summarize_kernels(events: Iterable[tuple[str, float]], steps: int) -> list[KernelTime]:
+    """Device events (name, microseconds) recorded over `steps` steps, as one row per name with its
+    launches and microseconds a step, the most time first."""
+    calls: dict[str, int] = {}
+    us: dict[str, float] = {}
+    for name, elapsed in events:
+        calls[name] = calls.get(name, 0) + 1
+        us[name] = us.get(name, 0.0) + elapsed
+    rows = [KernelTime(name, calls[name] / steps, us[name] / steps) for name in calls]
+    return sorted(rows, key=lambda r: (-r.us, r.name))
+
+
+def profile_kernels(run: Callable[[], object], steps: int = 5) -> list[KernelTime]:
+    """summarize_kernels of `steps` calls of run() (each one decode step), from torch.profiler's device
+    events."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            run()
+        torch.cuda.synchronize()
+    return summarize_kernels(((e.name, e.time_range.elapsed_us()) for e in prof.events()
+                              if e.device_type == DeviceType.CUDA), steps)
+
+
+def format_kernel_times(results: list[DecodeResult], name_width: int = 48) -> str:
+    """Per result with kernel_times, its kernels: launches and device microseconds a step, and the share
+    of the step's wall time. Under PDL a kernel starts before the one ahead of it ends and its wait counts
+    as its own time, so the column adds up to more than the step (EDGED_PDL=0 for times that add up)."""
+    lines = []
+    for r in results:
+        if not r.kernel_times:
+            continue
+        lines.append(f"{r.shape} {r.quant} batch {r.batch}: {r.step_ms * 1e3:,.1f} us a step")
+        lines.append(f"  {'kernel':<{name_width}}{'calls/step':>11}{'us/step':>10}{'of step':>9}")
+        for k in r.kernel_times:
+            name = k.name if len(k.name) <= name_width - 1 else k.name[:name_width - 4] + "..."
+            lines.append(f"  {name:<{name_width}}{k.calls:>11.1f}{k.us:>10.1f}{k.us / (r.step_ms * 1e3):>9.0%}")
+    return "\n".join(lines)
+
+
 def step_kernels(graphs: DecodeGraphs, batch: int) -> tuple[int | None, float | None]:
     """(kernels per decode step, per decoder layer): the step as captured (forward, logits, argmax),
     and the same step of a one-layer copy of the model, whose difference is N - 1 layers."""
@@ -105,10 +159,11 @@ def step_kernels(graphs: DecodeGraphs, batch: int) -> tuple[int | None, float | 
 
 
 def time_decode(model: LlamaModel, batch: int, steps: int, dtype: torch.dtype,
-                kernels: list | None = None) -> float:
+                kernels: list | None = None, kernel_times: list | None = None) -> float:
     """Seconds per decode step for `batch` sequences at CONTEXT tokens (graph replay + greedy sample,
     tokens fed back on the device: the device-side cost of a step, without the engine's host work).
-    `kernels`, when given, receives step_kernels()' (per step, per layer)."""
+    `kernels`, when given, receives step_kernels()' (per step, per layer); `kernel_times`, the
+    profile_kernels rows of replayed steps (after the timing)."""
     cfg = model.config
     per_seq = -(-(CONTEXT + steps + 8) // BLOCK)
     kv = KVCache.allocate(cfg.num_layers, batch * per_seq, BLOCK, cfg.num_kv_heads, cfg.head_dim, dtype, "cuda")
@@ -134,7 +189,10 @@ def time_decode(model: LlamaModel, batch: int, steps: int, dtype: torch.dtype,
     for i in range(steps):
         step(i)
     torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / steps
+    dt = (time.perf_counter() - t0) / steps
+    if kernel_times is not None:
+        kernel_times.extend(profile_kernels(lambda: step(steps)))
+    return dt
 
 
 def time_engine(model: LlamaModel, batch: int, steps: int, dtype: torch.dtype, overlap: bool) -> float:
@@ -177,7 +235,7 @@ def time_engine(model: LlamaModel, batch: int, steps: int, dtype: torch.dtype, o
 
 
 def run_decode(shapes: list[str], quants: list[str], batches: list[int], steps: int,
-               dtype: torch.dtype = torch.bfloat16) -> tuple[float, list[DecodeResult]]:
+               dtype: torch.dtype = torch.bfloat16, kernel_times: bool = False) -> tuple[float, list[DecodeResult]]:
     bw = copy_bandwidth()
     results = []
     for name in shapes:
@@ -187,9 +245,10 @@ def run_decode(shapes: list[str], quants: list[str], batches: list[int], steps: 
             nbytes = model.weights.nbytes
             for batch in batches:
                 counts: list = []
-                dt = time_decode(model, batch, steps, dtype, counts)
+                times: list[KernelTime] | None = [] if kernel_times else None
+                dt = time_decode(model, batch, steps, dtype, counts, times)
                 results.append(DecodeResult(name, quant, batch, batch / dt, dt * 1e3, nbytes / 1e9,
-                                            batch * bw / nbytes, *counts))
+                                            batch * bw / nbytes, *counts, kernel_times=times))
             del model
             gc.collect()
             torch.cuda.empty_cache()
@@ -331,8 +390,10 @@ def run_decode_bench(args: argparse.Namespace) -> int:
         return 2
     quants = [q for q in args.quant.split(",") if q]
     batches = [int(b) for b in args.batch.split(",") if b]
-    bw, results = run_decode(shapes, quants, batches, args.steps)
+    bw, results = run_decode(shapes, quants, batches, args.steps, kernel_times=getattr(args, "kernel_times", False))
     print(format_table(bw, results, {}, args.steps), flush=True)
+    if getattr(args, "kernel_times", False):
+        print(format_kernel_times(results), flush=True)
     if getattr(args, "engine", False):
         print(format_engine(shapes, quants, batches, args.steps), flush=True)
     if args.peer == "gpt-fast":
