@@ -27,10 +27,10 @@ from types import ModuleType
 import torch
 
 from . import cpu, reference
-from .weights import LinearWeight, concat_out, dequantize, pack_w4, pair_gate_up, quantize_w4, quantize_w8
+from .weights import LinearWeight, concat_out, dequantize, pack_w4, quantize_w4, quantize_w8
 
 __all__ = [
-    "LinearWeight", "concat_out", "dequantize", "pack_w4", "pair_gate_up", "quantize_w4", "quantize_w8",
+    "LinearWeight", "concat_out", "dequantize", "pack_w4", "quantize_w4", "quantize_w8",
     "linear", "rms_norm", "rope", "silu_and_mul", "write_kv", "rope_write_kv", "attention_decode",
     "attention_prefill", "argmax", "sample", "backend_for",
 ]

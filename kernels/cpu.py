@@ -34,7 +34,7 @@ from . import cpu_native
 from .reference import check_silu_mul_out, quantize_kv_int8
 from .reference import argmax as argmax  # noqa: PLC0414 - per-step ops: the reference is the implementation
 from .reference import sample as sample  # noqa: PLC0414
-from .weights import LinearWeight, dequantize, gate_up_halves
+from .weights import LinearWeight, dequantize
 
 DEQUANT_ROWS = 32  # rows from which a quantized linear dequantizes into scratch and runs a dense GEMM
 DEQUANT_MAX_ELEMENTS = 1 << 23  # ... unless the weight is larger than this (a vocabulary-sized lm_head)
@@ -129,7 +129,7 @@ def linear(x: torch.Tensor, w: LinearWeight, out_dtype: torch.dtype | None = Non
         x = silu_and_mul(x)
     y = _linear(x, w, out_dtype)
     if silu_mul_out:
-        return silu_and_mul(gate_up_halves(y).contiguous() if w.paired else y)
+        return silu_and_mul(y)
     if residual is None:
         return y
     if y.dtype == residual.dtype and y.shape == residual.shape:

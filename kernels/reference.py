@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from .weights import LinearWeight, dequantize, gate_up_halves
+from .weights import LinearWeight, dequantize
 
 
 def linear(x: torch.Tensor, w: LinearWeight, out_dtype: torch.dtype | None = None, *,
@@ -33,8 +33,7 @@ def linear(x: torch.Tensor, w: LinearWeight, out_dtype: torch.dtype | None = Non
     The fused forms are these compositions, each op rounding as it does alone: norm_weight, the input
     is rms_norm(x, norm_weight, norm_eps); silu_mul, it is silu_and_mul(x) (x holds 2 * in_features);
     residual, the result is y + residual (the residual stream's add, rounded once more);
-    silu_mul_out, the result is silu_and_mul(y) (W's rows are [gate | up], or (gate, up) pairs where
-    w.paired; no residual with it)."""
+    silu_mul_out, the result is silu_and_mul(y) (W's rows are [gate | up]; no residual with it)."""
     if silu_mul_out:
         check_silu_mul_out(w, residual)
     if norm_weight is not None:
@@ -44,7 +43,7 @@ def linear(x: torch.Tensor, w: LinearWeight, out_dtype: torch.dtype | None = Non
     bias = None if w.bias is None else w.bias.to(torch.float32)
     y = F.linear(x.to(torch.float32), dequantize(w, torch.float32), bias).to(out_dtype or x.dtype)
     if silu_mul_out:
-        return silu_and_mul(gate_up_halves(y) if w.paired else y)
+        return silu_and_mul(y)
     return y if residual is None else y + residual
 
 

@@ -87,17 +87,33 @@ def _epilogue_store(y, mask, out_ptrs, bias, res, HAS_BIAS: tl.constexpr, RESIDU
 
 
 @triton.jit
-def _gemv_rows(pid_n, N, ROWS: tl.constexpr):
+def _gemv_rows(pid_n, N, ROWS: tl.constexpr, GATED: tl.constexpr):
     """The weight rows (i0..i3, clamped to valid rows) of GEMV program pid_n, and their output indices
-    as a 4-vector (N where a slot is unused: masked). A gated GEMV's rows are (gate, up) pairs: the
-    same ROWS consecutive rows."""
+    as a 4-vector (N where a slot is unused: masked). GATED: the rows are [gate | up] halves and the
+    program takes ROWS // 2 gate rows and the up rows of the same outputs."""
     r = tl.arange(0, 4)
-    n0 = pid_n * ROWS
-    idx = tl.where(r < ROWS, n0 + r, N)
-    i0 = tl.minimum(n0, N - 1)
-    i1 = tl.minimum(n0 + 1, N - 1)
-    i2 = tl.minimum(n0 + 2, N - 1)
-    i3 = tl.minimum(n0 + 3, N - 1)
+    if GATED:
+        half = N // 2
+        n0 = pid_n * (ROWS // 2)
+        g = n0 + r % (ROWS // 2)  # slots: gates, then their ups
+        idx = tl.where(r < ROWS // 2, g, half + g)
+        idx = tl.where((r < ROWS) & (g < half), idx, N)
+        i0 = tl.minimum(n0, half - 1)
+        if ROWS == 2:
+            i1 = half + i0
+            i2 = i0
+            i3 = i0
+        else:
+            i1 = tl.minimum(n0 + 1, half - 1)
+            i2 = half + i0
+            i3 = half + i1
+    else:
+        n0 = pid_n * ROWS
+        idx = tl.where(r < ROWS, n0 + r, N)
+        i0 = tl.minimum(n0, N - 1)
+        i1 = tl.minimum(n0 + 1, N - 1)
+        i2 = tl.minimum(n0 + 2, N - 1)
+        i3 = tl.minimum(n0 + 3, N - 1)
     return i0.to(tl.int64), i1.to(tl.int64), i2.to(tl.int64), i3.to(tl.int64), idx
 
 
@@ -109,22 +125,21 @@ def _row_ptrs(base, i0, i1, i2, i3, stride):
 
 @triton.jit
 def _gated_epilogue(y, idx, N, pid_n, bias_ptr, out_ptr, HAS_BIAS: tl.constexpr, ROWS: tl.constexpr):
-    """silu(gate) * up of the program's ROWS // 2 outputs from its row results, (gate, up) pairs (a
-    paired weight): each rounded to the output dtype first (linear's output), as silu_and_mul reads
-    them."""
+    """silu(gate) * up of the program's ROWS // 2 outputs from its [gates, ups] row results: each rounded
+    to the output dtype first (linear's output), as silu_and_mul reads them."""
     if HAS_BIAS:
         y += tl.load(bias_ptr + tl.minimum(idx, N - 1)).to(tl.float32)
     y = y.to(out_ptr.dtype.element_ty).to(tl.float32)
     r = tl.arange(0, 4)
     g0 = tl.sum(tl.where(r == 0, y, 0.0), axis=0)
-    u0 = tl.sum(tl.where(r == 1, y, 0.0), axis=0)
+    u0 = tl.sum(tl.where(r == ROWS // 2, y, 0.0), axis=0)
     o = tl.where(r == 0, _silu_mul(g0, u0), 0.0)
     if ROWS == 4:
-        g1 = tl.sum(tl.where(r == 2, y, 0.0), axis=0)
+        g1 = tl.sum(tl.where(r == 1, y, 0.0), axis=0)
         u1 = tl.sum(tl.where(r == 3, y, 0.0), axis=0)
         o = tl.where(r == 1, _silu_mul(g1, u1), o)
     n = pid_n * (ROWS // 2) + r
-    tl.store(out_ptr + n, o.to(out_ptr.dtype.element_ty), mask=(r < ROWS // 2) & (n < N // 2))
+    tl.store(out_ptr + n, o.to(out_ptr.dtype.element_ty), mask=(r < ROWS // 2) & (idx < N))
 
 
 @triton.jit
@@ -297,11 +312,11 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr, 
     Fused around it (decode of one sequence): NORM, x is RMSNorm(x) * nw (inverse RMS over the whole
     row first); SILU, x holds [gate | up] (2K values) and is silu(gate) * up; each rounded to the
     activation dtype as its own op would be. RESIDUAL adds res to the rounded result (_epilogue);
-    GATED, the weight's rows are (gate, up) pairs and the output is silu(gate) * up (_gated_epilogue)."""
+    GATED, the weight holds [gate | up] rows and the output is silu(gate) * up (_gated_epilogue)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     # rows past N are clamped to valid rows (valid loads) and masked at the store
-    i0, i1, i2, i3, n = _gemv_rows(pid_n, N, ROWS)
+    i0, i1, i2, i3, n = _gemv_rows(pid_n, N, ROWS, GATED)
     r0, r1, r2, r3 = _row_ptrs(w_ptr, i0, i1, i2, i3, stride_wn)
     s0, s1, s2, s3 = _row_ptrs(scale_ptr, i0, i1, i2, i3, stride_sn)
     m0, m1, m2, m3 = _row_ptrs(min_ptr, i0, i1, i2, i3, stride_sn)
@@ -491,7 +506,7 @@ def _gemv_w4_kernel(xw_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_p
     _gemv_kernel (nw_ptr: the norm weight as words too; SILU: gate words, then KB up words; GATED)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    i0, i1, i2, i3, n = _gemv_rows(pid_n, N, ROWS)
+    i0, i1, i2, i3, n = _gemv_rows(pid_n, N, ROWS, GATED)
     r0, r1, r2, r3 = _row_ptrs(w_ptr, i0, i1, i2, i3, stride_wn)
     s0, s1, s2, s3 = _row_ptrs(scale_ptr, i0, i1, i2, i3, stride_sn)
     m0, m1, m2, m3 = _row_ptrs(min_ptr, i0, i1, i2, i3, stride_sn)
@@ -891,10 +906,9 @@ def linear(x: torch.Tensor, w: LinearWeight, config: LinearConfig | None = None,
 
     Fused forms (reference.linear says what each computes): norm_weight, x is RMSNorm(x) * norm_weight
     first; silu_mul, x [..., 2K] holds [gate | up] and the input is silu(gate) * up; residual, the
-    rounded result plus residual; silu_mul_out, W's rows are [gate | up] (or (gate, up) pairs: w.paired)
-    and the result is silu(gate) * up [..., N / 2]. One kernel for a single row (the decode GEMV)
-    whatever the form; several rows run the norm and the SiLUs as their own kernels (the matmul adds
-    the residual). Only a paired weight's silu(gate) * up is fused, and only into the GEMV.
+    rounded result plus residual; silu_mul_out, W's rows are [gate | up] and the result is
+    silu(gate) * up [..., N / 2]. One kernel for a single row (the decode GEMV) whatever the form;
+    several rows run the norm and the SiLUs as their own kernels (the matmul adds the residual).
     fuse_input overrides the size rule for the norm and the SiLUs of a single row (benchmarks).
     Under PDL the decode GEMV loads its residual (and bias) before the wait on the kernel launched just
     before it: that kernel must not write the residual (in the model an earlier one always does)."""
@@ -910,11 +924,13 @@ def linear(x: torch.Tensor, w: LinearWeight, config: LinearConfig | None = None,
         x2 = x2.contiguous()
     m = x2.shape[0]
     if m == 0:
-        return x.new_empty(*lead, n // 2 if silu_mul_out else n, dtype=out_dtype)
+        return x.new_empty(*lead, n, dtype=out_dtype)
     cfg = config or choose_config(m, n, k, w.format, x.device)
     # RMSNorm / SiLU in the GEMV's prologue only where the GEMV is small (launch-bound): each program
     # recomputes the row's inverse RMS or the SiLU of its columns, which on an H200 costs more than
-    # the separate kernel from about 8M weights on (w8 28672x4096: +40 us against ~3 us)
+    # the separate kernel from about 8M weights on (w8 28672x4096: +40 us against ~3 us). SiLU in the
+    # epilogue too: a program then streams a gate and an up row block far apart, which measured 1-2 us
+    # slower than the plain GEMV + silu_and_mul at 1B and 8B gate_up shapes (docs/BENCHMARKS.md)
     if fuse_input is None:
         fuse_input = n * k <= FUSED_INPUT_MAX_WEIGHTS
     fuse_input = fuse_input and cfg.kind == "gemv"
@@ -925,16 +941,11 @@ def linear(x: torch.Tensor, w: LinearWeight, config: LinearConfig | None = None,
         x2 = silu_and_mul(x2)
         silu_mul = False
     res2 = None if residual is None else residual.reshape(m, n)
-    if silu_mul_out and not w.paired:
-        # [gate | up] halves: a program would stream a gate and an up row block far apart, which
-        # measured 1-2 us slower than this at 1B and 8B gate_up shapes; the model pairs its rows
-        y = linear(x2, w, cfg, out_dtype, norm_weight=norm_weight, norm_eps=norm_eps, silu_mul=silu_mul,
-                   fuse_input=fuse_input)
+    if silu_mul_out and not fuse_input:
+        y = linear(x2, w, cfg, out_dtype)
         return silu_and_mul(y).reshape(*lead, n // 2)
     if cfg.kind == "torch":
         y = _torch_linear(x2, w, out_dtype)
-        if silu_mul_out:
-            return silu_and_mul(y, paired=True).reshape(*lead, n // 2)
         if res2 is not None:
             y = y + res2  # rounds once more, as the fused epilogue does
         return y.reshape(*lead, n)
@@ -949,19 +960,18 @@ def linear(x: torch.Tensor, w: LinearWeight, config: LinearConfig | None = None,
     scale = w.scale if w.scale is not None else data
     minimum = w.minimum if w.minimum is not None else scale
     bias = w.bias if w.bias is not None else data
-    gemv_gated = silu_mul_out and cfg.kind == "gemv"  # the matmul's silu(gate) * up is a kernel of its own
-    out = torch.empty(m, n // 2 if gemv_gated else n, dtype=out_dtype, device=x.device)
+    out = torch.empty(m, n // 2 if silu_mul_out else n, dtype=out_dtype, device=x.device)
     res = res2 if res2 is not None else out
     nw = norm_weight.to(x.dtype).contiguous() if norm_weight is not None else out
-    fused = dict(NORM=norm_weight is not None, SILU=silu_mul, GATED=gemv_gated)
+    fused = dict(NORM=norm_weight is not None, SILU=silu_mul, GATED=silu_mul_out)
     exact = exact_gemv(x.dtype, out_dtype)
     split = max(1, cfg.split)
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
     if cfg.kind == "gemv" and cfg.block_n not in (1, 2, 4):
         raise ValueError(f"a GEMV program takes 1, 2 or 4 weight rows, not {cfg.block_n}")
-    rows_per_program = max(cfg.block_n, 2) if gemv_gated else cfg.block_n  # a gate row and its up row
+    rows_per_program = max(cfg.block_n, 2) if silu_mul_out else cfg.block_n  # a gate row and its up row
     # programs of the GEMV: each makes rows_per_program results, or half as many gated outputs
-    programs = triton.cdiv(n // 2, rows_per_program // 2) if gemv_gated else triton.cdiv(n, rows_per_program)
+    programs = triton.cdiv(n // 2, rows_per_program // 2) if silu_mul_out else triton.cdiv(n, rows_per_program)
     if fmt == 2 and cfg.kind == "gemv":
         kb = k // 2  # bytes a row; a whole number of 16-byte chunks since groups are >= 32 weights
         block_kb = max(16, cfg.block_k // 2)
@@ -1005,8 +1015,4 @@ def linear(x: torch.Tensor, w: LinearWeight, config: LinearConfig | None = None,
                 _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
                     part, bias, res, out, m * n, n, split, HAS_BIAS=w.bias is not None, RESIDUAL=res2 is not None,
                     BLOCK=block, **pdl_launch(x.device))
-            if silu_mul_out:
-                # its own kernel: made in the matmul's epilogue or the split-K reduce, it measured faster
-                # alone but 3-7% slower in the 1B decode step at batches 8-64 (docs/BENCHMARKS.md, session 20)
-                out = silu_and_mul(out, paired=True)
     return out.reshape(*lead, out.shape[-1])

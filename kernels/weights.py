@@ -35,9 +35,6 @@ class LinearWeight:
       high nibble, q in 0..15; ``scale`` and ``minimum`` are ``[out, in // group_size]``;
       w = q * scale + minimum (GGUF Q4_1 exactly; Q4_0 is scale=d, minimum=-8d).
     ``bias`` is ``[out]`` or None.
-    ``paired``: a fused gate_up whose rows are stored as (gate j, up j) pairs (`pair_gate_up`) rather
-    than [gate | up] halves; `linear(..., silu_mul_out=True)` reads either, and every other use sees
-    the rows in storage order.
     """
 
     format: str
@@ -46,7 +43,6 @@ class LinearWeight:
     minimum: torch.Tensor | None = None
     group_size: int = 0
     bias: torch.Tensor | None = None
-    paired: bool = False
 
     @property
     def out_features(self) -> int:
@@ -66,7 +62,7 @@ class LinearWeight:
             return None if t is None else t.to(device)
 
         return LinearWeight(self.format, move(self.data), move(self.scale), move(self.minimum),
-                            self.group_size, move(self.bias), self.paired)
+                            self.group_size, move(self.bias))
 
     def astype(self, dtype: torch.dtype) -> "LinearWeight":
         """The same weight with dense data and bias in the activation dtype; packed integers, scales and
@@ -74,8 +70,7 @@ class LinearWeight:
         def cast(t: torch.Tensor | None) -> torch.Tensor | None:
             return t if t is None or not t.is_floating_point() else t.to(dtype)
 
-        return LinearWeight(self.format, cast(self.data), self.scale, self.minimum, self.group_size, cast(self.bias),
-                            self.paired)
+        return LinearWeight(self.format, cast(self.data), self.scale, self.minimum, self.group_size, cast(self.bias))
 
 
 def dequantize(w: LinearWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -139,47 +134,18 @@ def pack_w4(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, group_s
     return LinearWeight("w4", packed, scale.to(W4_PARAM_DTYPE), minimum.to(W4_PARAM_DTYPE), group_size, bias)
 
 
-def concat_out(weights: list[LinearWeight], paired: bool = False) -> LinearWeight:
-    """Stack weights of one format along the output dimension (fused qkv, fused gate_up). paired: two
-    weights, gate and up, as (gate j, up j) row pairs (see LinearWeight.paired): a decode GEMV program
-    then streams a gate row and its up row from one place, and makes silu(gate) * up in its epilogue."""
+def concat_out(weights: list[LinearWeight]) -> LinearWeight:
+    """Stack weights of one format along the output dimension (fused qkv, fused gate_up)."""
     first = weights[0]
-    if any(w.paired for w in weights):
-        raise ValueError("cannot fuse paired weights")
     if any(w.format != first.format or w.group_size != first.group_size for w in weights):
         raise ValueError("cannot fuse weights of different formats")
-    if paired and (len(weights) != 2 or weights[0].out_features != weights[1].out_features):
-        raise ValueError("paired rows need two weights, gate and up, of as many rows")
 
     def cat(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
-        if parts[0] is None:
-            return None
-        if paired:
-            return torch.stack(parts, dim=1).reshape(-1, *parts[0].shape[1:])
-        return torch.cat(parts, dim=0)
+        return None if parts[0] is None else torch.cat(parts, dim=0)
 
     biases = [w.bias for w in weights]
     if any(b is not None for b in biases):
-        biases = [b if b is not None else torch.zeros(w.out_features, dtype=first.data.dtype, device=w.data.device)
+        biases = [b if b is not None else torch.zeros(w.out_features, dtype=first.data.dtype)
                   for b, w in zip(biases, weights)]
     return LinearWeight(first.format, cat([w.data for w in weights]), cat([w.scale for w in weights]),
-                        cat([w.minimum for w in weights]), first.group_size, cat(biases), paired)
-
-
-def pair_gate_up(w: LinearWeight) -> LinearWeight:
-    """A fused [gate | up] weight with its rows as (gate j, up j) pairs (concat_out's paired form)."""
-    if w.paired or w.out_features % 2:
-        raise ValueError("pair_gate_up needs unpaired [gate | up] rows, an even count")
-    half = w.out_features // 2
-
-    def rows(t: torch.Tensor | None, part: slice) -> torch.Tensor | None:
-        return None if t is None else t[part]
-
-    gate, up = (LinearWeight(w.format, rows(w.data, p), rows(w.scale, p), rows(w.minimum, p), w.group_size,
-                             rows(w.bias, p)) for p in (slice(0, half), slice(half, None)))
-    return concat_out([gate, up], paired=True)
-
-
-def gate_up_halves(y: torch.Tensor) -> torch.Tensor:
-    """A paired gate_up's output [..., (gate j, up j) pairs] as [..., gate | up] (silu_and_mul's input)."""
-    return y.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
+                        cat([w.minimum for w in weights]), first.group_size, cat(biases))

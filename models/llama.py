@@ -19,7 +19,7 @@ class LayerWeights:
     qkv: LinearWeight  # q, k, v stacked on the output dimension
     o: LinearWeight
     post_norm: torch.Tensor
-    gate_up: LinearWeight  # gate, up stacked on the output dimension (as (gate, up) row pairs on the GPU)
+    gate_up: LinearWeight  # gate, up stacked on the output dimension
     down: LinearWeight
 
 

@@ -77,10 +77,10 @@ def build_weights(named: Named, config: ModelConfig, quant: str = "auto", dtype:
     def norm(name: str) -> torch.Tensor:
         return _dense(get(name)).to(dtype).to(device)
 
-    def fused(names: list[str], paired: bool = False) -> LinearWeight:
+    def fused(names: list[str]) -> LinearWeight:
         parts = [to_runtime_linear(get(f"{n}.weight"), named.get(f"{n}.bias"), quant, dtype, device, group_size)
                  for n in names]
-        return prepacked(concat_out(parts, paired=paired))
+        return prepacked(concat_out(parts))
 
     layers = []
     for i in range(config.num_layers):
@@ -91,9 +91,7 @@ def build_weights(named: Named, config: ModelConfig, quant: str = "auto", dtype:
             qkv=fused([f"{attn}.q_proj", f"{attn}.k_proj", f"{attn}.v_proj"]),
             o=fused([f"{attn}.o_proj"]),
             post_norm=norm(f"{p}.post_attention_layernorm.weight"),
-            # (gate, up) row pairs on the GPU: the decode GEMV makes silu(gate) * up in its epilogue (the
-            # CPU kernels read [gate | up] halves)
-            gate_up=fused([f"{mlp}.gate_proj", f"{mlp}.up_proj"], paired=device.type == "cuda"),
+            gate_up=fused([f"{mlp}.gate_proj", f"{mlp}.up_proj"]),
             down=fused([f"{mlp}.down_proj"]),
         ))
     embed_src = named["model.embed_tokens.weight"]

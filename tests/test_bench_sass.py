@@ -17,7 +17,7 @@ pytest.importorskip("triton")
 if os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("compiles for a GPU: not under the Triton interpreter", allow_module_level=True)
 
-from edged.bench.sass import compile_gemv, compile_kernel, gemv_loop  # noqa: E402
+from edged.bench.sass import compile_gemv, gemv_loop  # noqa: E402
 
 
 @pytest.mark.parametrize("fmt,shape", [("w8", (28672, 4096)), ("w4", (4096, 14336))])
@@ -42,17 +42,6 @@ def test_every_fused_form_of_the_decode_gemv_compiles_for_hopper(fmt, forms) -> 
     returning a tensor or a float compiled nowhere but ran interpreted): compile each for sm_90 here."""
     compiled, _ = compile_gemv(fmt, 3072, 2048, **forms)
     assert compiled.asm["cubin"]
-
-
-@pytest.mark.parametrize("paired", [False, True])
-def test_silu_and_mul_over_halves_or_pairs_compiles_for_hopper(paired: bool) -> None:
-    """silu_and_mul over [gate | up] halves or (gate, up) pairs (after a paired gate_up's batched matmul),
-    compiled for sm_90 as the GEMV's forms above."""
-    from edged.kernels import triton_activation
-
-    silu = compile_kernel(triton_activation._silu_and_mul_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16"},
-                          {"inter": 8192, "stride_x": 16384, "stride_o": 8192}, dict(BLOCK=1024, PAIRED=paired, PDL=True))
-    assert silu.asm["cubin"]
 
 
 def test_bench_sass_prints_a_row_per_shape_and_format() -> None:

@@ -12,8 +12,7 @@ import os
 import pytest
 import torch
 
-from edged.kernels import (LinearWeight, concat_out, cpu, cpu_native, dequantize, pack_w4, pair_gate_up, quantize_w4,
-                           quantize_w8, reference)
+from edged.kernels import LinearWeight, cpu, cpu_native, dequantize, pack_w4, quantize_w4, quantize_w8, reference
 from edged.models.batch import KVCache
 from edged.models.loader import LoadedModel
 from edged.models.runtime_weights import build_weights
@@ -112,34 +111,6 @@ def test_linear_with_silu_mul_out_is_linear_then_silu_and_mul_and_refuses_what_i
             impl(x, odd, silu_mul_out=True)
         with pytest.raises(ValueError, match="silu_mul_out"):
             impl(x, w, silu_mul_out=True, residual=torch.zeros(3, 72))
-
-
-@pytest.mark.parametrize("kind", ["dense", "w8", "w4-g32"])
-def test_a_paired_gate_up_gives_the_silu_mul_out_of_its_halves(kind: str) -> None:
-    """pair_gate_up reorders rows as (gate j, up j) pairs, bias and group parameters with them, as concat_out's
-    paired form builds them from gate and up: silu(gate) * up is bit for bit the halves' in every CPU
-    implementation; the plain product shows the storage order; a paired or odd weight is refused, and a
-    paired one cannot be fused again."""
-    w = weights(kind, 72, 128)
-    w.bias = torch.randn(72, generator=torch.Generator().manual_seed(3))
-    paired = pair_gate_up(w)
-    assert paired.paired and not w.paired and paired.to("cpu").paired and paired.astype(torch.bfloat16).paired
-    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(31))
-    for impl in (cpu.linear, reference.linear):
-        assert torch.equal(impl(x, paired, silu_mul_out=True), impl(x, w, silu_mul_out=True))
-    halves = reference.linear(x, w)
-    assert torch.equal(reference.linear(x, paired), torch.stack((halves[:, :36], halves[:, 36:]), -1).reshape(3, 72))
-    gate, up = weights(kind, 36, 128), weights(kind, 36, 128)
-    stacked, built = concat_out([gate, up]), concat_out([gate, up], paired=True)  # as build_weights pairs
-    assert built.paired and torch.equal(built.data, pair_gate_up(stacked).data)
-    assert torch.equal(reference.linear(x, built, silu_mul_out=True), reference.linear(x, stacked, silu_mul_out=True))
-    for bad in (paired, weights(kind, 71, 128)):
-        with pytest.raises(ValueError, match="pair_gate_up"):
-            pair_gate_up(bad)
-    with pytest.raises(ValueError, match="paired"):
-        concat_out([paired, paired])
-    with pytest.raises(ValueError, match="paired rows need two weights"):
-        concat_out([gate, up, gate], paired=True)
 
 
 @pytest.mark.parametrize("kind", ["dense", "w8", "w8-q4_1", "w4-g32", "w4-q4_1"])

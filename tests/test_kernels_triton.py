@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from edged.kernels import reference
-from edged.kernels.weights import LinearWeight, dequantize, pack_w4, pair_gate_up, quantize_w4, quantize_w8
+from edged.kernels.weights import LinearWeight, dequantize, pack_w4, quantize_w4, quantize_w8
 from helpers.interpreted_child import interpreted_child
 from helpers.kernel_inputs import make_weight
 from helpers.sampling import allowed_tokens
@@ -119,7 +119,7 @@ def _as_f32(w: LinearWeight) -> LinearWeight:
     def f(t):
         return None if t is None else (t.to(torch.float32) if t.is_floating_point() else t)
 
-    return LinearWeight(w.format, f(w.data), f(w.scale), f(w.minimum), w.group_size, f(w.bias), w.paired)
+    return LinearWeight(w.format, f(w.data), f(w.scale), f(w.minimum), w.group_size, f(w.bias))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -249,9 +249,7 @@ def test_linear_matmul_split_and_3d(fmt: str, swap: bool, prefetch: bool) -> Non
 
 _FUSED_FORMS = {"norm": dict(norm=True), "silu": dict(silu_mul=True), "residual": dict(residual=True),
                 "silu+residual": dict(silu_mul=True, residual=True), "silu out": dict(silu_mul_out=True),
-                "norm+silu out": dict(norm=True, silu_mul_out=True),
-                "paired silu out": dict(silu_mul_out=True, paired=True),
-                "norm+paired silu out": dict(norm=True, silu_mul_out=True, paired=True)}
+                "norm+silu out": dict(norm=True, silu_mul_out=True)}
 
 
 _GEMV, _MATMUL = ("gemv", 1, 4, 32, 3), ("matmul", 16, 32, 32, 2)
@@ -263,15 +261,6 @@ _GEMV, _MATMUL = ("gemv", 1, 4, 32, 3), ("matmul", 16, 32, 32, 2)
                          + [("w4", "silu+residual", torch.float16, 1, ("gemv", 1, 2, 64, 2))]  # 2 rows a program
                          + [(fmt, "norm+silu out", torch.float16, 1, cfg) for fmt in ("w8", "w4")
                             for cfg in (("gemv", 1, 2, 64, 2), ("gemv", 1, 1, 32, 1))]  # 1 row: runs as 2
-                         # (gate, up) row pairs: silu(gate) * up made by the GEMV (whole or split), or by
-                         # silu_and_mul over pairs after the matmul (split or not) or cuBLAS
-                         + [(fmt, "norm+paired silu out", torch.float16, 1, cfg) for fmt in ("dense", "w8", "w4")
-                            for cfg in (_GEMV, ("gemv", 1, 2, 64, 1), ("gemv", 1, 1, 32, 2))]
-                         + [(fmt, "paired silu out", dt, 6, cfg) for fmt in ("w8", "w4") for dt in DTYPES
-                            for cfg in (_MATMUL, ("matmul", 16, 32, 32, 1))]
-                         + [("w8", "paired silu out", torch.float16, 6, cfg + (True, True))
-                            for cfg in (_MATMUL, ("matmul", 16, 32, 32, 1))]
-                         + [("dense", "paired silu out", torch.float32, 6, ("torch", 16, 16, 32, 1))]
                          # one step holds the whole row (block_k >= K), its first weights loaded before the wait
                          + [(fmt, "norm", torch.float16, 1, ("gemv", 1, 4, 64, 1)) for fmt in ("dense", "w8", "w4")]
                          + [(fmt, form, dt, 1, ("gemv", 1, 4, 128, 1)) for fmt, form, dt in
@@ -294,8 +283,6 @@ def test_linear_fused_forms_equal_the_composed_ops(fmt: str, form: str, rows: in
     # so the last program of two outputs has one
     k, n = 64, (14 if gated else 12)
     w = _weight(fmt, n, k, dtype, bias=True)
-    if spec.get("paired"):
-        w = pair_gate_up(w)
     x = torch.randn(rows, 2 * k if spec.get("silu_mul") else k).to(dtype)
     kw = dict(silu_mul=spec.get("silu_mul", False), silu_mul_out=gated)
     if spec.get("norm"):

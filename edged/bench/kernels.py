@@ -15,7 +15,7 @@ from edged.kernels import reference
 from edged.kernels import triton_attention as tattn
 from edged.kernels import triton_linear as tlin
 from edged.kernels import triton_ops as ops
-from edged.kernels.weights import LinearWeight, pair_gate_up
+from edged.kernels.weights import LinearWeight
 from edged.models.config import MODEL_SHAPES
 
 from .kernel_inputs import DEV, make_weight, paged_cache
@@ -95,10 +95,9 @@ def gemv_time(fmt: str, n: int, k: int, m: int = 1, dtype=torch.bfloat16, config
 def fused_times(fmt: str, n: int, k: int, dtype=torch.bfloat16, copies: int = 4) -> dict[str, float]:
     """Seconds per decode (M = 1) linear call in each fused form and as the separate kernels it
     replaces: plain; RMSNorm in (fused / rms_norm kernel + linear); silu(gate) * up in (fused /
-    silu_and_mul + linear); residual add out (fused / linear + add); silu(gate) * up out (fused, W's rows
-    being (gate, up) pairs / linear + silu_and_mul, W's rows [gate | up])."""
+    silu_and_mul + linear); residual add out (fused / linear + add); silu(gate) * up out, W's rows
+    being [gate | up] (fused / linear + silu_and_mul)."""
     ws = _weights(fmt, n, k, dtype, 32, copies)
-    paired = [pair_gate_up(w) for w in ws]
     x = torch.randn(1, k, device=DEV).to(dtype)
     gu = torch.randn(1, 2 * k, device=DEV).to(dtype)
     nw = torch.ones(k, device=DEV).to(dtype)
@@ -112,7 +111,7 @@ def fused_times(fmt: str, n: int, k: int, dtype=torch.bfloat16, copies: int = 4)
         "silu apart": lambda i=0: tlin.linear(ops.silu_and_mul(gu), w(i)),
         "residual fused": lambda i=0: tlin.linear(x, w(i), residual=res),
         "residual apart": lambda i=0: tlin.linear(x, w(i)) + res,
-        "silu out fused": lambda i=0: tlin.linear(x, paired[i % copies], silu_mul_out=True, fuse_input=True),
+        "silu out fused": lambda i=0: tlin.linear(x, w(i), silu_mul_out=True, fuse_input=True),
         "silu out apart": lambda i=0: ops.silu_and_mul(tlin.linear(x, w(i))),
     }
     return {name: _graph_time(fn) for name, fn in forms.items()}

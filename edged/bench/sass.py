@@ -101,6 +101,10 @@ def compile_gemv(fmt: str, n: int, k: int, arch: int = 90, **forms: bool):
     """Triton's compiled decode GEMV of an [n, k] w8 or w4 weight and bf16 x, as `linear` launches it on
     an H200, with the fused forms given (NORM, SILU, RESIDUAL, HAS_BIAS, GATED: off unless named), and
     the launch rule's config. Compiles for the GPU without one (Triton's own ptxas)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
     cfg = tlin.choose_config(1, n, k, fmt, torch.device("cuda"), sm_count=H200_SMS)
     common = dict(HAS_BIAS=False, SPLIT=cfg.split > 1, GROUP_SIZE=32, ROWS=cfg.block_n, NORM=False, SILU=False,
                   RESIDUAL=False, PDL=arch >= 90, ASM=True, GATED=False, EXACT=False)
@@ -121,22 +125,12 @@ def compile_gemv(fmt: str, n: int, k: int, arch: int = 90, **forms: bool):
             "stride_wn": row, "stride_sn": k // 32}
     pointers.update({"scale_ptr": "*fp16", "min_ptr": "*fp16", "bias_ptr": "*bf16", "out_ptr": "*bf16",
                      "part_ptr": "*fp32", "counters_ptr": "*i32", "res_ptr": "*bf16"})
-    return compile_kernel(fn, pointers, ints, constexprs, arch, cfg.num_warps, cfg.num_stages), cfg
-
-
-def compile_kernel(fn, pointers: dict[str, str], ints: dict[str, int], constexprs: dict[str, object], arch: int = 90,
-                   num_warps: int = 4, num_stages: int = 1):
-    """Triton's compiled form of the jit function fn for a GPU of compute capability arch (no GPU needed):
-    pointers' element types, integer arguments' values, the constexprs; other arguments are float32."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     sig, consts, attrs = _signature(fn, pointers, ints, constexprs)
-    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
-                          target=GPUTarget("cuda", arch, 32),
-                          options={"num_warps": num_warps, "num_stages": num_stages,
-                                   "enable_fp_fusion": True})  # as the kernels launch (a * b + c -> FMA)
+    compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+                              target=GPUTarget("cuda", arch, 32),
+                              options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
+                                       "enable_fp_fusion": True})  # as the kernels launch (a * b + c -> FMA)
+    return compiled, cfg
 
 
 def gemv_loop(fmt: str, n: int, k: int, arch: int = 90) -> tuple[LoopStats, tlin.LinearConfig]:
