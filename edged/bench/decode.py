@@ -51,7 +51,6 @@ class DecodeResult:
     kernels_per_layer: float | None = None
     kernel_times: list[KernelTime] | None = None  # --kernel-times: where the step's device time goes
 
-
     @property
     def fraction(self) -> float:
         return self.tok_s / self.roofline_tok_s if self.roofline_tok_s else 0.0
@@ -81,21 +80,6 @@ def build_model(cfg: ModelConfig, quant: str, dtype: torch.dtype) -> LlamaModel:
     return LlamaModel(cfg, weights, CONTEXT + 4096)
 
 
-def count_kernels(run: Callable[[], object]) -> int | None:
-    """GPU kernels that one eager call of run() launches (torch.profiler's device events; None where
-    the profiler records no device activity). What a CUDA graph captures from the same call."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        run()
-        torch.cuda.synchronize()
-    names = [e.name for e in prof.events() if e.device_type == DeviceType.CUDA]
-    kernels = [n for n in names if not n.startswith(("Memcpy", "Memset", "[memory]"))]
-    return len(kernels) or None
-
-
 def summarize_kernels(events: Iterable[tuple[str, float]], steps: int) -> list[KernelTime]:
     """Device events (name, microseconds) recorded over `steps` steps, as one row per name with its
     launches and microseconds a step, the most time first."""
@@ -121,6 +105,14 @@ def profile_kernels(run: Callable[[], object], steps: int = 5) -> list[KernelTim
         torch.cuda.synchronize()
     return summarize_kernels(((e.name, e.time_range.elapsed_us()) for e in prof.events()
                               if e.device_type == DeviceType.CUDA), steps)
+
+
+def count_kernels(run: Callable[[], object]) -> int | None:
+    """GPU kernels that one eager call of run() launches (torch.profiler's device events, copies and fills
+    left out; None where the profiler records no device activity). What a CUDA graph captures from the
+    same call."""
+    rows = profile_kernels(run, steps=1)
+    return int(sum(k.calls for k in rows if not k.name.startswith(("Memcpy", "Memset", "[memory]")))) or None
 
 
 def format_kernel_times(results: list[DecodeResult], name_width: int = 48) -> str:
@@ -390,9 +382,10 @@ def run_decode_bench(args: argparse.Namespace) -> int:
         return 2
     quants = [q for q in args.quant.split(",") if q]
     batches = [int(b) for b in args.batch.split(",") if b]
-    bw, results = run_decode(shapes, quants, batches, args.steps, kernel_times=getattr(args, "kernel_times", False))
+    kernel_times = getattr(args, "kernel_times", False)
+    bw, results = run_decode(shapes, quants, batches, args.steps, kernel_times=kernel_times)
     print(format_table(bw, results, {}, args.steps), flush=True)
-    if getattr(args, "kernel_times", False):
+    if kernel_times:
         print(format_kernel_times(results), flush=True)
     if getattr(args, "engine", False):
         print(format_engine(shapes, quants, batches, args.steps), flush=True)

@@ -4,8 +4,9 @@ The engine reports every step (wall time, prompt tokens computed, sequences in t
 least-squares fit with forgetting and non-negative coefficients keeps
 `step_s = a + b * prefill_tokens + c * batch_size` current, so a slower or faster phase (thermal
 throttling, a busy PCIe link) shows up within a few dozen steps; steps that only decode are also
-averaged per batch size (`decode_step_s`). Finished sequences report how many tokens they generated, which gives the mean time a sequence holds a batch
-slot. Written on the engine thread, read on the event loop: thread-safe.
+averaged per batch size (`decode_step_s`). Finished sequences report how many tokens they generated,
+which gives the mean time a sequence holds a batch slot. Written on the engine thread, read on the
+event loop: thread-safe.
 """
 from __future__ import annotations
 
