@@ -85,7 +85,8 @@ def _pack(w: LinearWeight) -> CpuPacked:
         raise ValueError(f"unknown weight format {w.format!r}")
     if _native():
         if w.format == "w8" and w.group_size % 2 == 0:  # the kernel takes columns in pairs
-            return CpuPacked("native-w8", *cpu_native.pack_w8(w.data, w.scale, w.minimum), n, w.group_size, bias)
+            minimum = w.minimum if w.minimum is not None else w.scale * -128  # symmetric w8: exact in float16
+            return CpuPacked("native-w8", *cpu_native.pack_w8(w.data, w.scale, minimum), n, w.group_size, bias)
         if w.format == "w4":
             return CpuPacked("native-w4", *cpu_native.pack_w4(w.data, w.scale, w.minimum, w.group_size), n,
                              w.group_size, bias)

@@ -217,8 +217,10 @@ def _chunk_dot(q0, q1, q2, q3, x0, x1, x2, x3):
 
 
 @triton.jit
-def _load_row(row_ptr, s_row_ptr, m_row_ptr, k, grp, km, cm, FORMAT: tl.constexpr, EVEN_K: tl.constexpr):
-    """One weight row's step: its [chunks, VEC] weights, and (w8) each chunk's scale and minimum."""
+def _load_row(row_ptr, s_row_ptr, m_row_ptr, k, grp, km, cm, FORMAT: tl.constexpr, EVEN_K: tl.constexpr,
+              SYM: tl.constexpr):
+    """One weight row's step: its [chunks, VEC] weights, and (w8) each chunk's scale and minimum (SYM: no
+    minimum stored, the scale stands in for it)."""
     if EVEN_K:
         wv = tl.load(row_ptr + k, eviction_policy="evict_first")
     else:
@@ -226,10 +228,14 @@ def _load_row(row_ptr, s_row_ptr, m_row_ptr, k, grp, km, cm, FORMAT: tl.constexp
     if FORMAT == 1:
         if EVEN_K:
             s = tl.load(s_row_ptr + grp).to(tl.float32)
-            mn = tl.load(m_row_ptr + grp).to(tl.float32)
         else:
             s = tl.load(s_row_ptr + grp, mask=cm, other=0.0).to(tl.float32)
-            mn = tl.load(m_row_ptr + grp, mask=cm, other=0.0).to(tl.float32)
+        mn = s
+        if not SYM:
+            if EVEN_K:
+                mn = tl.load(m_row_ptr + grp).to(tl.float32)
+            else:
+                mn = tl.load(m_row_ptr + grp, mask=cm, other=0.0).to(tl.float32)
         return wv, s, mn
     else:
         return wv, 0.0, 0.0
@@ -237,7 +243,7 @@ def _load_row(row_ptr, s_row_ptr, m_row_ptr, k, grp, km, cm, FORMAT: tl.constexp
 
 @triton.jit
 def _dot_loaded(acc, wv, s, mn, x0, x1, x2, x3, xsum, magic_xsum, FORMAT: tl.constexpr, C: tl.constexpr,
-                VEC: tl.constexpr, ASM: tl.constexpr, EXACT: tl.constexpr):
+                VEC: tl.constexpr, ASM: tl.constexpr, EXACT: tl.constexpr, SYM: tl.constexpr):
     """acc [chunks] += the dot of one weight row's loaded step (_load_row) with x (x0..x3: its quarters).
     A w8 chunk lies in one group, so sum(x * (q * scale + minimum)) is computed as scale * sum(x * q) +
     minimum * sum(x) (xsum: the chunk sums of x, shared by every row): one FMA a weight instead of two,
@@ -246,18 +252,24 @@ def _dot_loaded(acc, wv, s, mn, x0, x1, x2, x3, xsum, magic_xsum, FORMAT: tl.con
     once a chunk (magic_xsum = 32768 * xsum): no conversion or subtraction a weight. The constant is
     ~256x a typical q, so the dot loses ~8 of float32's 24 bits: about 1/8 ulp of a bfloat16 result
     (up to 2 ulps of a float16 one). So only bfloat16 takes it; float16, float32 and float32 results
-    (EXACT: the logits) take the constant off each weight instead (exact; one add a weight)."""
+    (EXACT: the logits) take the constant off each weight instead (exact; one add a weight).
+    SYM (GGUF Q8_0: w = (q - 128) * scale, no minimum): the 128 leaves with the constant, 32896 = 32768 + 128,
+    and the dot is only scaled."""
     if FORMAT == 1:
         if ASM:
             q = magic_u8_f32_asm(wv)
         else:
             q = magic_u8_f32(wv)
         if EXACT:
-            q -= 32768.0
+            q -= 32896.0 if SYM else 32768.0
         q0, q1, q2, q3 = _quarters(q, C, VEC)
         dot = _chunk_dot(q0, q1, q2, q3, x0, x1, x2, x3)
         if not EXACT:
             dot -= magic_xsum
+            if SYM:
+                dot -= 128.0 * xsum
+        if SYM:
+            return acc + dot * s
         return acc + dot * s + xsum * mn
     else:
         w0, w1, w2, w3 = _quarters(wv.to(tl.float32), C, VEC)
@@ -298,12 +310,12 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr, 
                  SPLIT: tl.constexpr, EVEN_K: tl.constexpr, GROUP_SIZE: tl.constexpr, ROWS: tl.constexpr,
                  BLOCK_K: tl.constexpr, VEC: tl.constexpr, NORM: tl.constexpr, SILU: tl.constexpr,
                  RESIDUAL: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr, GATED: tl.constexpr,
-                 EXACT: tl.constexpr):
-    """One row of x against ROWS (1, 2 or 4) rows of dense or w8 weights; program (row block, k split).
-    Each step loads one [BLOCK_K // VEC, VEC] tile of x (a thread owns VEC consecutive columns, one
-    16-byte weight load) and uses it for every weight row: x is read and converted once per ROWS
-    rows, all tiles share one layout (no shuffles), and each thread keeps ROWS independent loads in
-    flight. Accumulation is elementwise; the reduction happens once at the end. A w8 chunk of VEC
+                 EXACT: tl.constexpr, SYM: tl.constexpr):
+    """One row of x against ROWS (1, 2 or 4) rows of dense or w8 weights (SYM: w8 without minimums);
+    program (row block, k split). Each step loads one [BLOCK_K // VEC, VEC] tile of x (a thread owns VEC
+    consecutive columns, one 16-byte weight load) and uses it for every weight row: x is read and
+    converted once per ROWS rows, all tiles share one layout (no shuffles), and each thread keeps ROWS
+    independent loads in flight. Accumulation is elementwise; the reduction happens once at the end. A w8 chunk of VEC
     columns lies inside one group (GROUP_SIZE is a multiple of VEC, or the whole row): one scale and
     one minimum per chunk and row.
     The first step's weights load before the wait on the previous kernel (pdl_begin): weights are
@@ -334,12 +346,12 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr, 
     km = k < k_hi
     grp = (k_lo + chunk) // GROUP_SIZE
     cm = k_lo + chunk < k_hi
-    w0, sc0, mn0 = _load_row(r0, s0, m0, k, grp, km, cm, FORMAT, EVEN_K)
+    w0, sc0, mn0 = _load_row(r0, s0, m0, k, grp, km, cm, FORMAT, EVEN_K, SYM)
     if ROWS > 1:
-        w1, sc1, mn1 = _load_row(r1, s1, m1, k, grp, km, cm, FORMAT, EVEN_K)
+        w1, sc1, mn1 = _load_row(r1, s1, m1, k, grp, km, cm, FORMAT, EVEN_K, SYM)
     if ROWS > 2:
-        w2, sc2, mn2 = _load_row(r2, s2, m2, k, grp, km, cm, FORMAT, EVEN_K)
-        w3, sc3, mn3 = _load_row(r3, s3, m3, k, grp, km, cm, FORMAT, EVEN_K)
+        w2, sc2, mn2 = _load_row(r2, s2, m2, k, grp, km, cm, FORMAT, EVEN_K, SYM)
+        w3, sc3, mn3 = _load_row(r3, s3, m3, k, grp, km, cm, FORMAT, EVEN_K, SYM)
     bias, res = _gemv_epilogue_inputs(n, N, bias_ptr, res_ptr, HAS_BIAS, RESIDUAL, GATED)
     nwv = _norm_weights(nw_ptr, k, km, NORM)
     pdl_begin(PDL)
@@ -347,12 +359,12 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr, 
     if NORM:
         inv = _rms_inv(x_ptr, K, eps, BLOCK_K)
     x0, x1, x2, x3, xsum, magic_xsum = _x_step(x_ptr, nwv, K, k, km, inv, dt, NORM, SILU, EVEN_K, C, VEC)
-    a0 = _dot_loaded(a0, w0, sc0, mn0, x0, x1, x2, x3, xsum, magic_xsum, FORMAT, C, VEC, ASM, EXACT)
+    a0 = _dot_loaded(a0, w0, sc0, mn0, x0, x1, x2, x3, xsum, magic_xsum, FORMAT, C, VEC, ASM, EXACT, SYM)
     if ROWS > 1:
-        a1 = _dot_loaded(a1, w1, sc1, mn1, x0, x1, x2, x3, xsum, magic_xsum, FORMAT, C, VEC, ASM, EXACT)
+        a1 = _dot_loaded(a1, w1, sc1, mn1, x0, x1, x2, x3, xsum, magic_xsum, FORMAT, C, VEC, ASM, EXACT, SYM)
     if ROWS > 2:
-        a2 = _dot_loaded(a2, w2, sc2, mn2, x0, x1, x2, x3, xsum, magic_xsum, FORMAT, C, VEC, ASM, EXACT)
-        a3 = _dot_loaded(a3, w3, sc3, mn3, x0, x1, x2, x3, xsum, magic_xsum, FORMAT, C, VEC, ASM, EXACT)
+        a2 = _dot_loaded(a2, w2, sc2, mn2, x0, x1, x2, x3, xsum, magic_xsum, FORMAT, C, VEC, ASM, EXACT, SYM)
+        a3 = _dot_loaded(a3, w3, sc3, mn3, x0, x1, x2, x3, xsum, magic_xsum, FORMAT, C, VEC, ASM, EXACT, SYM)
     for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
         k = k0 + col
         km = k < k_hi
@@ -360,16 +372,16 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr, 
         cm = k0 + chunk < k_hi
         nwv = _norm_weights(nw_ptr, k, km, NORM)
         x0, x1, x2, x3, xsum, magic_xsum = _x_step(x_ptr, nwv, K, k, km, inv, dt, NORM, SILU, EVEN_K, C, VEC)
-        w0, sc0, mn0 = _load_row(r0, s0, m0, k, grp, km, cm, FORMAT, EVEN_K)
-        a0 = _dot_loaded(a0, w0, sc0, mn0, x0, x1, x2, x3, xsum, magic_xsum, FORMAT, C, VEC, ASM, EXACT)
+        w0, sc0, mn0 = _load_row(r0, s0, m0, k, grp, km, cm, FORMAT, EVEN_K, SYM)
+        a0 = _dot_loaded(a0, w0, sc0, mn0, x0, x1, x2, x3, xsum, magic_xsum, FORMAT, C, VEC, ASM, EXACT, SYM)
         if ROWS > 1:
-            w1, sc1, mn1 = _load_row(r1, s1, m1, k, grp, km, cm, FORMAT, EVEN_K)
-            a1 = _dot_loaded(a1, w1, sc1, mn1, x0, x1, x2, x3, xsum, magic_xsum, FORMAT, C, VEC, ASM, EXACT)
+            w1, sc1, mn1 = _load_row(r1, s1, m1, k, grp, km, cm, FORMAT, EVEN_K, SYM)
+            a1 = _dot_loaded(a1, w1, sc1, mn1, x0, x1, x2, x3, xsum, magic_xsum, FORMAT, C, VEC, ASM, EXACT, SYM)
         if ROWS > 2:
-            w2, sc2, mn2 = _load_row(r2, s2, m2, k, grp, km, cm, FORMAT, EVEN_K)
-            a2 = _dot_loaded(a2, w2, sc2, mn2, x0, x1, x2, x3, xsum, magic_xsum, FORMAT, C, VEC, ASM, EXACT)
-            w3, sc3, mn3 = _load_row(r3, s3, m3, k, grp, km, cm, FORMAT, EVEN_K)
-            a3 = _dot_loaded(a3, w3, sc3, mn3, x0, x1, x2, x3, xsum, magic_xsum, FORMAT, C, VEC, ASM, EXACT)
+            w2, sc2, mn2 = _load_row(r2, s2, m2, k, grp, km, cm, FORMAT, EVEN_K, SYM)
+            a2 = _dot_loaded(a2, w2, sc2, mn2, x0, x1, x2, x3, xsum, magic_xsum, FORMAT, C, VEC, ASM, EXACT, SYM)
+            w3, sc3, mn3 = _load_row(r3, s3, m3, k, grp, km, cm, FORMAT, EVEN_K, SYM)
+            a3 = _dot_loaded(a3, w3, sc3, mn3, x0, x1, x2, x3, xsum, magic_xsum, FORMAT, C, VEC, ASM, EXACT, SYM)
     y = _rows_result(tl.sum(a0, axis=0), tl.sum(a1, axis=0), tl.sum(a2, axis=0), tl.sum(a3, axis=0))
     _gemv_store(y, n, N, pid_n, pid_k, num_splits, bias_ptr, out_ptr, part_ptr, counters_ptr, bias, res, HAS_BIAS,
                 SPLIT, RESIDUAL, GATED, ROWS)
@@ -577,10 +589,11 @@ def _u8_to(q, dtype: tl.constexpr):
 
 
 @triton.jit
-def _load_chunks(w_tile, s_rows, m_rows, k0, k_hi, ci, GROUP_SIZE: tl.constexpr, MASKED: tl.constexpr):
+def _load_chunks(w_tile, s_rows, m_rows, k0, k_hi, ci, GROUP_SIZE: tl.constexpr, MASKED: tl.constexpr,
+                 SYM: tl.constexpr):
     """The w8 bytes of K columns k0.. as [rows, chunks of 32, 32], and each chunk's scale and minimum
-    [rows, chunks]. MASKED: chunks from k_hi on read as zeros (a chunk never straddles it: groups are
-    whole chunks)."""
+    [rows, chunks] (SYM: no minimum stored, the scale stands in for it). MASKED: chunks from k_hi on
+    read as zeros (a chunk never straddles it: groups are whole chunks)."""
     start = k0 + ci * 32
     grp = (start // GROUP_SIZE)[None, :]
     b_ptrs = w_tile + k0
@@ -588,11 +601,15 @@ def _load_chunks(w_tile, s_rows, m_rows, k0, k_hi, ci, GROUP_SIZE: tl.constexpr,
         cm = (start < k_hi)[None, :]
         b = tl.load(b_ptrs, mask=cm[:, :, None], other=0)
         s = tl.load(s_rows + grp, mask=cm, other=0.0)
-        mn = tl.load(m_rows + grp, mask=cm, other=0.0)
+        mn = s
+        if not SYM:
+            mn = tl.load(m_rows + grp, mask=cm, other=0.0)
     else:
         b = tl.load(b_ptrs)
         s = tl.load(s_rows + grp)
-        mn = tl.load(m_rows + grp)
+        mn = s
+        if not SYM:
+            mn = tl.load(m_rows + grp)
     return b, s, mn
 
 
@@ -602,9 +619,9 @@ def _matmul_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr
                    FORMAT: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
                    GROUP_SIZE: tl.constexpr, ROW_GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, RESIDUAL: tl.constexpr,
-                   SWAP: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
+                   SWAP: tl.constexpr, PREFETCH: tl.constexpr, SYM: tl.constexpr, PDL: tl.constexpr):
     """x [M, K] @ W^T with W dequantized per tile to x's dtype; program (output tile, k split).
-    Grouped w8: tiles of 32-weight chunks, one scale and minimum each. SWAP: the dot is
+    Grouped w8: tiles of 32-weight chunks, one scale and minimum each (SYM: w = (q - 128) * scale). SWAP: the dot is
     W_tile @ x_tile^T, so the dequantized weights (already in registers) are its first operand, which
     Hopper's MMA reads from registers, and x^T the one it reads from shared memory (the other way the
     weight tile makes a round trip through shared memory each step). PREFETCH: the next step's weight
@@ -688,24 +705,27 @@ def _matmul_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             x_tile = x_rows + kx[None, :]
         if PREFETCH:
-            b, s, mn = _load_chunks(w_tile, s_rows, m_rows, k_lo, k_hi, ci, GROUP_SIZE, not EVEN_K)
+            b, s, mn = _load_chunks(w_tile, s_rows, m_rows, k_lo, k_hi, ci, GROUP_SIZE, not EVEN_K, SYM)
         for k0 in range(k_lo, k_hi, BLOCK_K):
             if PREFETCH:
                 b_next, s_next, mn_next = _load_chunks(w_tile, s_rows, m_rows, k0 + BLOCK_K, k_hi, ci,
-                                                       GROUP_SIZE, True)
+                                                       GROUP_SIZE, True, SYM)
             else:
-                b, s, mn = _load_chunks(w_tile, s_rows, m_rows, k0, k_hi, ci, GROUP_SIZE, not EVEN_K)
+                b, s, mn = _load_chunks(w_tile, s_rows, m_rows, k0, k_hi, ci, GROUP_SIZE, not EVEN_K, SYM)
             if EVEN_K:
                 xt = tl.load(x_tile + k0)
             elif SWAP:
                 xt = tl.load(x_tile + k0, mask=(k0 + kx[:, None]) < k_hi, other=0.0)
             else:
                 xt = tl.load(x_tile + k0, mask=(k0 + kx[None, :]) < k_hi, other=0.0)
-            # q * scale + minimum in float32, rounded once
+            # q * scale + minimum (SYM: (q - 128) * scale) in float32, rounded once
             s3 = s.to(tl.float32)[:, :, None]
-            m3 = mn.to(tl.float32)[:, :, None]
             bi = b.to(tl.int32)
-            wt = tl.reshape((small_uint_to_f32(bi) * s3 + m3).to(dt), (BLOCK_N, BLOCK_K))
+            if SYM:
+                wf = (small_uint_to_f32(bi) - 128.0) * s3
+            else:
+                wf = small_uint_to_f32(bi) * s3 + mn.to(tl.float32)[:, :, None]
+            wt = tl.reshape(wf.to(dt), (BLOCK_N, BLOCK_K))
             if SWAP:
                 acc += tl.dot(wt, xt)
             else:
@@ -734,7 +754,10 @@ def _matmul_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr
                 acc += tl.dot(xv, wv.to(dt))
         if FORMAT == 1:  # one group per row
             s = tl.load(scale_ptr + rn64 * stride_sn).to(tl.float32)
-            mn = tl.load(min_ptr + rn64 * stride_sn).to(tl.float32)
+            if SYM:
+                mn = -128.0 * s
+            else:
+                mn = tl.load(min_ptr + rn64 * stride_sn).to(tl.float32)
             acc = acc * s[None, :] + xs[:, None] * mn[None, :]
     mask = (om < M) & (on < N)
     if SPLIT:
@@ -958,6 +981,9 @@ def linear(x: torch.Tensor, w: LinearWeight, config: LinearConfig | None = None,
         raise ValueError(f"w8 group_size {w.group_size} is neither a multiple of 32 nor the whole row")
     data = w.data if w.data.stride(-1) == 1 else w.data.contiguous()
     scale = w.scale if w.scale is not None else data
+    sym = fmt == 1 and w.minimum is None  # GGUF Q8_0's symmetric w8: w = (q - 128) * scale
+    if fmt == 2 and w.minimum is None:
+        raise ValueError("a w4 weight needs its minimums")
     minimum = w.minimum if w.minimum is not None else scale
     bias = w.bias if w.bias is not None else data
     out = torch.empty(m, n // 2 if silu_mul_out else n, dtype=out_dtype, device=x.device)
@@ -999,7 +1025,7 @@ def linear(x: torch.Tensor, w: LinearWeight, config: LinearConfig | None = None,
                 HAS_BIAS=w.bias is not None, SPLIT=split > 1, EVEN_K=even_k, GROUP_SIZE=max(w.group_size, 1),
                 ROWS=rows_per_program, BLOCK_K=block_k,
                 VEC=16 // data.element_size(), RESIDUAL=res2 is not None, **fused, ASM=asm_conversions(x.device),
-                EXACT=exact, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(x.device))
+                EXACT=exact, SYM=sym, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(x.device))
         else:
             tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
             _matmul_kernel[(tiles, split)](
@@ -1009,7 +1035,7 @@ def linear(x: torch.Tensor, w: LinearWeight, config: LinearConfig | None = None,
                 GROUP_SIZE=max(w.group_size, 1), ROW_GROUP=row_group, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                 BLOCK_K=block_k, GROUP_M=8, RESIDUAL=res2 is not None,
                 SWAP=cfg.swap and fmt == 1 and not row_group, PREFETCH=cfg.prefetch and fmt == 1 and not row_group,
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(x.device))
+                SYM=sym, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(x.device))
             if split > 1:
                 block = 1024
                 _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](

@@ -1,6 +1,7 @@
 """Runtime weight formats read by `linear`: dense, w8 (uint8 groups), w4 (uint4 groups).
 
-Both quantized formats are asymmetric groups along the input dimension, w = q * scale + minimum.
+Both quantized formats are groups along the input dimension, w = q * scale + minimum, and w8 also comes
+symmetric (GGUF Q8_0's form, no minimum stored): w = (q - 128) * scale.
 Storage (the numerics policy is in kernels/__init__.py): dense data and bias in the activation dtype;
 w8 and w4 scales and minimums in float16, GGUF's own storage, so Q8_0 and Q4_0/Q4_1 are held exactly
 (bfloat16 would drop 3 bits of a Q4_1 minimum, an error shared by the whole group). Requantizing a
@@ -29,8 +30,10 @@ class LinearWeight:
 
     - ``dense``: ``data`` is ``[out, in]`` in the compute dtype.
     - ``w8``: ``data`` is uint8 ``[out, in]``, q in 0..255; ``scale`` and ``minimum`` are
-      ``[out, in // group_size]``; w = q * scale + minimum (GGUF Q8_0 exactly: q + 128, scale=d,
-      minimum=-128d). group_size is W8_GROUP_SIZE, or in_features (see `w8_group_size`).
+      ``[out, in // group_size]``; w = q * scale + minimum (a requantized Q4_0/Q4_1 group almost
+      exactly), or symmetric with ``minimum`` None: w = (q - 128) * scale (GGUF Q8_0 exactly, q + 128
+      and scale = d; float weights quantized as Q8_0 does: 2 bytes fewer a group of 32 to read).
+      group_size is W8_GROUP_SIZE, or in_features (see `w8_group_size`).
     - ``w4``: ``data`` is uint8 ``[out, in // 2]``, column 2j in the low nibble and 2j+1 in the
       high nibble, q in 0..15; ``scale`` and ``minimum`` are ``[out, in // group_size]``;
       w = q * scale + minimum (GGUF Q4_1 exactly; Q4_0 is scale=d, minimum=-8d).
@@ -86,18 +89,30 @@ def dequantize(w: LinearWeight, dtype: torch.dtype = torch.float32) -> torch.Ten
             q = torch.stack((low, high), dim=-1).reshape(w.data.shape[0], -1)
         out, k = q.shape
         g = q.view(out, k // w.group_size, w.group_size)
-        deq = g * w.scale.to(torch.float32)[..., None] + w.minimum.to(torch.float32)[..., None]
+        if w.minimum is None:  # symmetric w8 (every product exact in float32: 8-bit q, 11-bit scale)
+            if w.format != "w8":
+                raise ValueError("a w4 weight needs its minimums")
+            deq = (g - 128.0) * w.scale.to(torch.float32)[..., None]
+        else:
+            deq = g * w.scale.to(torch.float32)[..., None] + w.minimum.to(torch.float32)[..., None]
         return deq.reshape(out, k).to(dtype)
     raise ValueError(f"unknown weight format {w.format!r}")
 
 
-def quantize_w8(weight: torch.Tensor, bias: torch.Tensor | None = None) -> LinearWeight:
-    """Asymmetric uint8 (scale + min per group of `w8_group_size(in)` columns), parameters in float16.
+def quantize_w8(weight: torch.Tensor, bias: torch.Tensor | None = None, symmetric: bool = False) -> LinearWeight:
+    """uint8 groups of `w8_group_size(in)` columns, parameters in float16: asymmetric (scale + minimum
+    per group: holds a requantized Q4_0/Q4_1 group almost exactly), or symmetric, GGUF Q8_0's rounding
+    (scale = max |w| / 127, no minimum: 1/17 fewer bytes to read).
 
     q is computed against the float16 scale and minimum, the values the kernels will use."""
     out, k = weight.shape
     gs = w8_group_size(k)
     g = weight.to(torch.float32).view(out, k // gs, gs)
+    if symmetric:
+        scale = (g.abs().amax(dim=-1) / 127.0).to(W8_PARAM_DTYPE).to(torch.float32)
+        safe = torch.where(scale > 0, scale, 1.0)
+        q = (torch.round(g / safe[..., None]).clamp(-127, 127) + 128).to(torch.uint8).view(out, k)
+        return LinearWeight("w8", q, scale.to(W8_PARAM_DTYPE), None, gs, bias)
     lo = _float16_at_most(g.amin(dim=-1))
     scale = ((g.amax(dim=-1) - lo) / 255.0).clamp(min=1e-7).to(W8_PARAM_DTYPE).to(torch.float32)
     q = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 255).to(torch.uint8).view(out, k)

@@ -228,12 +228,12 @@ def q4_to_w4(raw: np.ndarray, qtype: GGMLQuantizationType, rows: int, cols: int)
 
 
 def q8_0_to_w8(raw: np.ndarray, rows: int, cols: int) -> LinearWeight:
-    """GGUF Q8_0 blocks as a w8 LinearWeight holding the same values: q + 128 in uint8, scale = d and
-    minimum = -128 d (exact in float16: a power-of-two multiple), so q * scale + minimum = q_gguf * d."""
+    """GGUF Q8_0 blocks as a symmetric w8 LinearWeight holding the same values: q + 128 in uint8,
+    scale = d and no minimum, so (q - 128) * scale = q_gguf * d."""
     blocks = raw.reshape(rows, cols // _Q8_0_GROUP, _Q8_0_BLOCK_BYTES)
     d = torch.from_numpy(np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0].copy())
     q = torch.from_numpy((np.ascontiguousarray(blocks[..., 2:]) ^ 0x80).reshape(rows, cols))  # int8 + 128
-    return LinearWeight("w8", q, d.to(W8_PARAM_DTYPE), (d * -128).to(W8_PARAM_DTYPE), _Q8_0_GROUP)
+    return LinearWeight("w8", q, d.to(W8_PARAM_DTYPE), None, _Q8_0_GROUP)
 
 
 def unpermute_rows(value: torch.Tensor | LinearWeight, n_head: int) -> torch.Tensor | LinearWeight:

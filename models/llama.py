@@ -91,8 +91,8 @@ class LlamaModel:
         """The token embeddings [T, hidden] in the activation dtype."""
         table = self.weights.embed
         if isinstance(table, LinearWeight):  # quantized rows (a tied lm_head): dequantize only these
-            rows = LinearWeight(table.format, table.data[input_ids], table.scale[input_ids],
-                                table.minimum[input_ids], table.group_size)
+            minimum = None if table.minimum is None else table.minimum[input_ids]
+            rows = LinearWeight(table.format, table.data[input_ids], table.scale[input_ids], minimum, table.group_size)
             return kernels.dequantize(rows, self.dtype)  # each group in float32, rounded once
         return table[input_ids]
 

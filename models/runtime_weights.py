@@ -26,7 +26,8 @@ def to_runtime_linear(src: torch.Tensor | LinearWeight, bias: torch.Tensor | Non
 
     auto keeps w4 sources as they are (GGUF Q4 is not requantized). Other sources stay dense on CUDA
     and become w8 on the CPU, where the weight-only int8 kernel reads about a quarter of float32's bytes;
-    a w8 source (GGUF Q8_0) is kept as it is wherever the result is w8.
+    a w8 source (GGUF Q8_0) is kept as it is wherever the result is w8. Float weights become symmetric w8
+    (Q8_0's rounding), requantized GGUF Q4 asymmetric w8 (which holds a Q4_1 group almost exactly).
     """
     if quant not in QUANT_MODES:
         raise ValueError(f"quant must be one of {QUANT_MODES}, got {quant!r}")
@@ -42,8 +43,8 @@ def to_runtime_linear(src: torch.Tensor | LinearWeight, bias: torch.Tensor | Non
         dense = dequantize(src, torch.float32) if is_packed else src.to(torch.float32)
         if quant == "none":
             w = LinearWeight("dense", dense, bias=bias)
-        elif quant == "w8":
-            w = quantize_w8(dense, bias)
+        elif quant == "w8":  # float weights as GGUF Q8_0 would hold them; a Q4 source asymmetric (near exact)
+            w = quantize_w8(dense, bias, symmetric=not is_packed)
         else:
             w = quantize_w4(dense, group_size, bias)
     return w.astype(dtype).to(device)

@@ -49,8 +49,8 @@ def weights(kind: str, n: int, k: int) -> LinearWeight:
     dense = torch.randn(n, k, generator=torch.Generator().manual_seed(n + k)) * 0.05
     if kind == "dense":
         return LinearWeight("dense", dense)
-    if kind == "w8":
-        return quantize_w8(dense)
+    if kind == "w8":  # symmetric, as float weights and GGUF Q8_0 load
+        return quantize_w8(dense, symmetric=True)
     if kind == "w8-q4_1":  # Q4_1's large offsets requantized to w8 groups
         return quantize_w8(dequantize(q4_1_with_large_offsets(n, k)))
     if kind == "w4-q4_1":

@@ -59,7 +59,7 @@ SHAPES = [(4096, 14336), (14336, 4096), (2048, 8192)]  # (out, in): Llama-3-8B d
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("fmt", ["dense", "w8", "w4"])
+@pytest.mark.parametrize("fmt", ["dense", "w8", "w8sym", "w4"])
 @pytest.mark.parametrize("n,k", SHAPES)
 def test_linear_real_shapes(n: int, k: int, fmt: str, dtype: torch.dtype) -> None:
     w = make_weight(fmt, n, k, dtype, bias=(n == 2048), group=32 if k != 8192 else 128, seed=n + k)
@@ -80,7 +80,7 @@ def test_linear_w4_groups(fmt: str, group: int) -> None:
         assert rel_err(ops.linear(x, w), ref_linear(x, w)) < REL[torch.bfloat16]
 
 
-@pytest.mark.parametrize("fmt", ["dense", "w8", "w4"])
+@pytest.mark.parametrize("fmt", ["dense", "w8", "w8sym", "w4"])
 def test_linear_gemv_variants(fmt: str) -> None:
     """Every GEMV shape of program the sweeps consider, on a ragged N, with K splits."""
     w = make_weight(fmt, 4099, 14336, torch.bfloat16, bias=True, seed=7)
@@ -92,10 +92,11 @@ def test_linear_gemv_variants(fmt: str) -> None:
             assert rel_err(tlin.linear(x, w, cfg), want) < REL[torch.bfloat16], (rows, block_k, split)
 
 
-def test_linear_matmul_variants() -> None:
+@pytest.mark.parametrize("fmt", ["w8", "w8sym"])
+def test_linear_matmul_variants(fmt: str) -> None:
     """Every form of the batched (M = 2-64) grouped w8 matmul the sweeps consider, on a ragged N, with K
     splits, fused residual and bias: each equal to the reference within bfloat16's error."""
-    w = make_weight("w8", 4099, 14336, torch.bfloat16, bias=True, seed=8)
+    w = make_weight(fmt, 4099, 14336, torch.bfloat16, bias=True, seed=8)
     for m in (3, 16, 40, 64):
         x = torch.randn(m, 14336, device=DEV).bfloat16()
         res = torch.randn(m, 4099, device=DEV).bfloat16()
@@ -122,7 +123,7 @@ def test_linear_of_prompt_steps_with_the_chosen_launch(fmt: str) -> None:
             assert rel_err(tlin.linear(x, w), ref_linear(x, w)) < REL[torch.bfloat16], (m, n, cfg)
 
 
-@pytest.mark.parametrize("fmt", ["w8", "w4"])
+@pytest.mark.parametrize("fmt", ["w8", "w8sym", "w4"])
 def test_gemv_inline_ptx_conversions_give_the_portable_kernels_result_bit_for_bit(fmt: str, monkeypatch) -> None:
     """The prmt conversions of sm_80+ (triton_convert's *_asm) and the portable ones the interpreter
     runs produce the same floats, so the decode GEMV's result is identical, fused forms included."""
@@ -149,7 +150,7 @@ def test_gemv_inline_ptx_conversions_give_the_portable_kernels_result_bit_for_bi
 
 def test_linear_odd_shapes() -> None:
     # N not a multiple of any block, K not a multiple of the K step (SmolLM2's 576 / 1536)
-    for fmt in ("dense", "w8", "w4"):
+    for fmt in ("dense", "w8", "w8sym", "w4"):
         w = make_weight(fmt, 1536 + 7 * (fmt != "w4"), 576, torch.float16, bias=True, group=32, seed=3)
         for m in (1, 3, 70):
             x = torch.randn(m, 576, device=DEV).half()

@@ -123,7 +123,7 @@ def _as_f32(w: LinearWeight) -> LinearWeight:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("fmt", ["dense", "w8", "w4"])
+@pytest.mark.parametrize("fmt", ["dense", "w8", "w8sym", "w4"])
 @pytest.mark.parametrize("m", [1, 5, 40])
 def test_linear_formats(fmt: str, m: int, dtype: torch.dtype) -> None:
     torch.manual_seed(m)
@@ -162,7 +162,7 @@ def test_linear_w4_gemv_bf16_x_words() -> None:
     assert (got - want).abs().max().item() <= 1e-2 * want.abs().max().item()
 
 
-@pytest.mark.parametrize("fmt", ["dense", "w8"])
+@pytest.mark.parametrize("fmt", ["dense", "w8", "w8sym"])
 def test_linear_gemv_ragged_k(fmt: str) -> None:
     torch.manual_seed(0)
     w = _weight(fmt, 9, 200, torch.float32, bias=True)  # K not a multiple of the block, N of the rows
@@ -192,11 +192,12 @@ def test_linear_w8_groups_with_large_offsets(dtype: torch.dtype) -> None:
         assert err < (1e-6 if rows == 1 else 1e-6 + 1.2 * weight_in_dtype), (rows, cfg, err, weight_in_dtype)
 
 
-def test_linear_w8_rows_of_one_group() -> None:
+@pytest.mark.parametrize("fmt", ["w8", "w8sym"])
+def test_linear_w8_rows_of_one_group(fmt: str) -> None:
     """in_features not a multiple of 32: one group per row (its parameters applied once, after the dot)."""
     torch.manual_seed(5)
-    w = _weight("w8", 33, 200, torch.float16, bias=True)
-    assert w.group_size == 200
+    w = _weight(fmt, 33, 200, torch.float16, bias=True)
+    assert w.group_size == 200 and (w.minimum is None) == (fmt == "w8sym")
     x = torch.randn(9, 200).to(torch.float16)
     _check_linear(x, w, tlin.LinearConfig("matmul", 16, 32, 64, split=2))
     _check_linear(x, w)
@@ -213,7 +214,7 @@ def test_gemv_weight_floats_are_each_integer_plus_its_constant() -> None:
     assert torch.equal(lo, 128 + q % 16) and torch.equal(hi, 2048 + torch.div(q, 16, rounding_mode="floor"))
 
 
-@pytest.mark.parametrize("fmt", ["w8", "w4"])
+@pytest.mark.parametrize("fmt", ["w8", "w8sym", "w4"])
 def test_gemv_constants_taken_off_once_a_chunk_cost_under_2_to_the_minus_16_of_the_dot(fmt: str,
                                                                                         monkeypatch) -> None:
     """bfloat16 GEMVs carry each weight's constant (32768, 128, 2048) through the dot and take it off once
@@ -233,7 +234,7 @@ def test_gemv_constants_taken_off_once_a_chunk_cost_under_2_to_the_minus_16_of_t
 
 
 @pytest.mark.parametrize("swap,prefetch", [(False, False), (True, False), (False, True), (True, True)])
-@pytest.mark.parametrize("fmt", ["dense", "w8", "w4"])
+@pytest.mark.parametrize("fmt", ["dense", "w8", "w8sym", "w4"])
 def test_linear_matmul_split_and_3d(fmt: str, swap: bool, prefetch: bool) -> None:
     """Every form of the batched matmul (grouped w8: weights as the dot's first operand, the next weight
     tile loaded ahead; w4 and dense ignore both), split over K or not, ragged K (192 = 1.5 steps of
@@ -269,7 +270,10 @@ _GEMV, _MATMUL = ("gemv", 1, 4, 32, 3), ("matmul", 16, 32, 32, 2)
                          + [("w8", "silu+residual", torch.float32, 6, _MATMUL), ("w4", "norm", torch.float16, 6, _MATMUL)]
                          + [("w8", "silu out", torch.float16, 6, _MATMUL)]
                          # the batched matmul with the weights as the dot's first operand, loaded a step ahead (w4 ignores both)
-                         + [(fmt, "residual", torch.float16, 6, _MATMUL + (True, True)) for fmt in ("w8", "w4")])
+                         + [(fmt, "residual", torch.float16, 6, _MATMUL + (True, True)) for fmt in ("w8", "w4")]
+                         # symmetric w8 (GGUF Q8_0, no minimums) in the GEMV's fused forms and the batched matmul
+                         + [("w8sym", form, torch.float16, 1, _GEMV) for form in ("norm+silu out", "silu+residual")]
+                         + [("w8sym", "residual", torch.float16, 6, _MATMUL + (True, True))])
 def test_linear_fused_forms_equal_the_composed_ops(fmt: str, form: str, rows: int, cfg, dtype: torch.dtype) -> None:
     """RMSNorm in, silu(gate) * up in, the residual add out, silu(gate) * up out: the same values as
     reference.linear's composition of the separate ops (each rounded to the activation dtype), split or

@@ -126,7 +126,7 @@ def test_q4_blocks_become_w4_exactly(qtype: GGMLQuantizationType) -> None:
 
 
 def test_q8_0_blocks_become_w8_exactly() -> None:
-    """Q8_0's d * q (q in -127..127) is held as uint8 q + 128 with scale d and minimum -128 d."""
+    """Q8_0's d * q (q in -127..127) is held as uint8 q + 128 with scale d and no minimum (symmetric w8)."""
     rows, cols = 6, 96
     values = np.random.default_rng(0).standard_normal((rows, cols)).astype(np.float32)
     values[0, :32] = 0.0  # an all-zero block: d = 0
@@ -134,9 +134,8 @@ def test_q8_0_blocks_become_w8_exactly() -> None:
     raw = gguf_quantize(values, GGMLQuantizationType.Q8_0)
     w = gguf_loader.q8_0_to_w8(raw, rows, cols)
     assert w.data.dtype == torch.uint8 and w.data.shape == (rows, cols) and w.scale.shape == (rows, cols // 32)
-    assert w.scale.dtype == w.minimum.dtype == torch.float16
+    assert w.scale.dtype == torch.float16 and w.minimum is None
     assert np.array_equal(dequantize(w).numpy(), gguf_dequantize(raw, GGMLQuantizationType.Q8_0))
-    assert torch.equal(w.minimum, w.scale * -128)
 
 
 def test_q4_1_groups_survive_requantization_to_w8() -> None:

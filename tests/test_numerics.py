@@ -49,18 +49,26 @@ def test_w4_scales_and_minimums_keep_their_fp16_values_in_a_bf16_model() -> None
 
 
 def test_w8_scales_and_minimums_stay_float16_in_a_bf16_model() -> None:
+    """Float weights become symmetric w8 (GGUF Q8_0's rounding, no minimums); a requantized Q4_1 weight
+    asymmetric w8, which holds it almost exactly; both keep float16 parameters in a bfloat16 model."""
     dense = torch.randn(32, 64) * 0.05 + 0.3
     w = to_runtime_linear(dense, None, "w8", torch.bfloat16, torch.device("cpu"))
-    assert w.scale.dtype == W8_PARAM_DTYPE and w.minimum.dtype == W8_PARAM_DTYPE and w.group_size == 32
-    assert torch.equal(dequantize(w), dequantize(quantize_w8(dense)))
+    assert w.scale.dtype == W8_PARAM_DTYPE and w.minimum is None and w.group_size == 32
+    assert torch.equal(dequantize(w), dequantize(quantize_w8(dense, symmetric=True)))
+    err = (dequantize(w) - dense).abs() / dense.abs().view(32, 2, 32).amax(-1).repeat_interleave(32, 1)
+    assert err.max() <= 0.5 / 127 + 1e-3  # half a step of max |w| / 127 (plus the float16 scale's rounding)
+    src = q4_1_like(32, 64)
+    w4_to_w8 = to_runtime_linear(src, None, "w8", torch.bfloat16, torch.device("cpu"))
+    assert w4_to_w8.minimum.dtype == W8_PARAM_DTYPE
+    assert (dequantize(w4_to_w8) - dequantize(src)).abs().max() < 1e-3
 
 
 def q8_0_like(n: int, k: int, seed: int = 0) -> LinearWeight:
-    """A GGUF Q8_0-shaped w8 weight (q + 128, scale d, minimum -128 d), as the GGUF loader makes it."""
+    """A GGUF Q8_0-shaped w8 weight (q + 128, scale d, no minimum), as the GGUF loader makes it."""
     g = torch.Generator().manual_seed(seed)
     q = torch.randint(1, 256, (n, k), generator=g, dtype=torch.uint8)
     d = (torch.rand(n, k // 32, generator=g) * 0.002 + 0.0005).half()
-    return LinearWeight("w8", q, d, d * -128, 32)
+    return LinearWeight("w8", q, d, None, 32)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -12,14 +12,15 @@ DEV = torch.device("cuda")
 def make_weight(fmt: str, n: int, k: int, dtype: torch.dtype, bias: bool = False, group: int = 32,
                 seed: int = 0, device: torch.device | str = DEV, std: float = 0.02,
                 bias_std: float = 0.1) -> LinearWeight:
-    """A random [n, k] weight in `fmt` (quantized from float32), its float parts in dtype."""
+    """A random [n, k] weight in `fmt` (quantized from float32; w8 symmetric, as GGUF Q8_0 and float
+    weights load), its float parts in dtype."""
     g = torch.Generator(device=device).manual_seed(seed)
     dense = torch.randn(n, k, generator=g, device=device) * std
     b = torch.randn(n, generator=g, device=device) * bias_std if bias else None
     if fmt == "dense":
         w = LinearWeight("dense", dense, bias=b)
     else:
-        w = quantize_w8(dense, b) if fmt == "w8" else quantize_w4(dense, group, b)
+        w = quantize_w8(dense, b, symmetric=True) if fmt == "w8" else quantize_w4(dense, group, b)
     return w.astype(dtype)
 
 
