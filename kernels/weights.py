@@ -158,9 +158,13 @@ def concat_out(weights: list[LinearWeight]) -> LinearWeight:
     def cat(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
         return None if parts[0] is None else torch.cat(parts, dim=0)
 
+    minimums = [w.minimum for w in weights]
+    if any(m is None for m in minimums) and any(m is not None for m in minimums):
+        # symmetric w8 beside asymmetric parts (a Q8_0 q_proj, a requantized Q4_1 v_proj): the minimum it implies
+        minimums = [w.scale * -128 if m is None else m for m, w in zip(minimums, weights)]
     biases = [w.bias for w in weights]
     if any(b is not None for b in biases):
         biases = [b if b is not None else torch.zeros(w.out_features, dtype=first.data.dtype)
                   for b, w in zip(biases, weights)]
     return LinearWeight(first.format, cat([w.data for w in weights]), cat([w.scale for w in weights]),
-                        cat([w.minimum for w in weights]), first.group_size, cat(biases))
+                        cat(minimums), first.group_size, cat(biases))

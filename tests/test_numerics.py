@@ -21,7 +21,7 @@ from edged.bench.accuracy import (Agreement, Variant, agreement, reference_kerne
                                   transformers_agreement)
 from edged.engine.setup import EngineSettings, build_engine
 from edged.kernels import reference
-from edged.kernels.weights import W4_PARAM_DTYPE, W8_PARAM_DTYPE, LinearWeight, dequantize, pack_w4, quantize_w8
+from edged.kernels.weights import W4_PARAM_DTYPE, W8_PARAM_DTYPE, LinearWeight, concat_out, dequantize, pack_w4, quantize_w8
 from edged.models.loader import LoadedModel, load_model
 from edged.models.runtime_weights import to_runtime_linear
 from helpers.tiny_engine import request, run_to_completion
@@ -81,6 +81,17 @@ def test_a_q8_0_source_stays_w8_where_w8_is_asked_for(dtype: torch.dtype) -> Non
     none = to_runtime_linear(src, None, "none", torch.float32, cpu)
     assert none.format == "dense" and torch.equal(none.data, dequantize(src))
     assert to_runtime_linear(src, None, "w4", dtype, cpu).format == "w4"
+
+
+def test_a_fused_weight_of_symmetric_and_asymmetric_w8_parts_keeps_every_parts_values() -> None:
+    """q from GGUF Q8_0 (symmetric w8) fused with k requantized from Q4_1 (asymmetric w8): the fused weight
+    gives the minimum the symmetric part implies, so each part dequantizes as before."""
+    q_part = q8_0_like(64, 128, seed=5)
+    k_part = to_runtime_linear(q4_1_like(32, 128, seed=6), None, "w8", torch.float32, torch.device("cpu"))
+    assert q_part.minimum is None and k_part.minimum is not None
+    fused = concat_out([q_part, k_part])
+    assert torch.equal(dequantize(fused), torch.cat([dequantize(q_part), dequantize(k_part)]))
+    assert concat_out([q_part, q_part]).minimum is None  # all symmetric: still no minimums to read
 
 
 def _linear_impls() -> list:
