@@ -720,12 +720,12 @@ def _matmul_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr
                 xt = tl.load(x_tile + k0, mask=(k0 + kx[None, :]) < k_hi, other=0.0)
             # q * scale + minimum (SYM: (q - 128) * scale) in float32, rounded once
             s3 = s.to(tl.float32)[:, :, None]
-            bi = b.to(tl.int32)
-            if SYM:
-                wf = (small_uint_to_f32(bi) - 128.0) * s3
+            if SYM:  # the chunk's implied minimum: one FMA a weight, as with a stored one (exact either way)
+                m3 = -128.0 * s3
             else:
-                wf = small_uint_to_f32(bi) * s3 + mn.to(tl.float32)[:, :, None]
-            wt = tl.reshape(wf.to(dt), (BLOCK_N, BLOCK_K))
+                m3 = mn.to(tl.float32)[:, :, None]
+            bi = b.to(tl.int32)
+            wt = tl.reshape((small_uint_to_f32(bi) * s3 + m3).to(dt), (BLOCK_N, BLOCK_K))
             if SWAP:
                 acc += tl.dot(wt, xt)
             else:
