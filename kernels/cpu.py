@@ -34,7 +34,7 @@ from . import cpu_native
 from .reference import check_silu_mul_out, quantize_kv_int8
 from .reference import argmax as argmax  # noqa: PLC0414 - per-step ops: the reference is the implementation
 from .reference import sample as sample  # noqa: PLC0414
-from .weights import LinearWeight, dequantize
+from .weights import LinearWeight, dequantize, group_minimums
 
 DEQUANT_ROWS = 32  # rows from which a quantized linear dequantizes into scratch and runs a dense GEMM
 DEQUANT_MAX_ELEMENTS = 1 << 23  # ... unless the weight is larger than this (a vocabulary-sized lm_head)
@@ -85,8 +85,8 @@ def _pack(w: LinearWeight) -> CpuPacked:
         raise ValueError(f"unknown weight format {w.format!r}")
     if _native():
         if w.format == "w8" and w.group_size % 2 == 0:  # the kernel takes columns in pairs
-            minimum = w.minimum if w.minimum is not None else w.scale * -128  # symmetric w8: exact in float16
-            return CpuPacked("native-w8", *cpu_native.pack_w8(w.data, w.scale, minimum), n, w.group_size, bias)
+            return CpuPacked("native-w8", *cpu_native.pack_w8(w.data, w.scale, group_minimums(w)), n, w.group_size,
+                             bias)
         if w.format == "w4":
             return CpuPacked("native-w4", *cpu_native.pack_w4(w.data, w.scale, w.minimum, w.group_size), n,
                              w.group_size, bias)

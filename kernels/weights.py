@@ -76,6 +76,16 @@ class LinearWeight:
         return LinearWeight(self.format, cast(self.data), self.scale, self.minimum, self.group_size, cast(self.bias))
 
 
+def group_minimums(w: LinearWeight) -> torch.Tensor:
+    """A quantized weight's minimums [out, in // group_size]: stored, or for symmetric w8 the -128 * scale it
+    implies (exact in float16: a power-of-two multiple)."""
+    if w.minimum is not None:
+        return w.minimum
+    if w.format != "w8":
+        raise ValueError(f"a {w.format} weight needs its minimums")
+    return w.scale * -128
+
+
 def dequantize(w: LinearWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The weight as a dense ``[out, in]`` tensor (the oracle for every linear kernel)."""
     if w.format == "dense":
@@ -89,12 +99,8 @@ def dequantize(w: LinearWeight, dtype: torch.dtype = torch.float32) -> torch.Ten
             q = torch.stack((low, high), dim=-1).reshape(w.data.shape[0], -1)
         out, k = q.shape
         g = q.view(out, k // w.group_size, w.group_size)
-        if w.minimum is None:  # symmetric w8 (every product exact in float32: 8-bit q, 11-bit scale)
-            if w.format != "w8":
-                raise ValueError("a w4 weight needs its minimums")
-            deq = (g - 128.0) * w.scale.to(torch.float32)[..., None]
-        else:
-            deq = g * w.scale.to(torch.float32)[..., None] + w.minimum.to(torch.float32)[..., None]
+        # symmetric w8 too: q * scale - 128 * scale is (q - 128) * scale exactly (8-bit q, 11-bit scale)
+        deq = g * w.scale.to(torch.float32)[..., None] + group_minimums(w).to(torch.float32)[..., None]
         return deq.reshape(out, k).to(dtype)
     raise ValueError(f"unknown weight format {w.format!r}")
 
@@ -161,7 +167,7 @@ def concat_out(weights: list[LinearWeight]) -> LinearWeight:
     minimums = [w.minimum for w in weights]
     if any(m is None for m in minimums) and any(m is not None for m in minimums):
         # symmetric w8 beside asymmetric parts (a Q8_0 q_proj, a requantized Q4_1 v_proj): the minimum it implies
-        minimums = [w.scale * -128 if m is None else m for m, w in zip(minimums, weights)]
+        minimums = [group_minimums(w) for w in weights]
     biases = [w.bias for w in weights]
     if any(b is not None for b in biases):
         biases = [b if b is not None else torch.zeros(w.out_features, dtype=first.data.dtype)
