@@ -310,7 +310,7 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr, 
                  SPLIT: tl.constexpr, EVEN_K: tl.constexpr, GROUP_SIZE: tl.constexpr, ROWS: tl.constexpr,
                  BLOCK_K: tl.constexpr, VEC: tl.constexpr, NORM: tl.constexpr, SILU: tl.constexpr,
                  RESIDUAL: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr, GATED: tl.constexpr,
-                 EXACT: tl.constexpr, SYM: tl.constexpr, PREFETCH: tl.constexpr):
+                 EXACT: tl.constexpr, SYM: tl.constexpr):
     """One row of x against ROWS (1, 2 or 4) rows of dense or w8 weights (SYM: w8 without minimums);
     program (row block, k split). Each step loads one [BLOCK_K // VEC, VEC] tile of x (a thread owns VEC
     consecutive columns, one 16-byte weight load) and uses it for every weight row: x is read and
@@ -324,9 +324,7 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr, 
     Fused around it (decode of one sequence): NORM, x is RMSNorm(x) * nw (inverse RMS over the whole
     row first); SILU, x holds [gate | up] (2K values) and is silu(gate) * up; each rounded to the
     activation dtype as its own op would be. RESIDUAL adds res to the rounded result (_epilogue);
-    GATED, the weight holds [gate | up] rows and the output is silu(gate) * up (_gated_epilogue).
-    PREFETCH: each step's weights load before the previous step's dot (by hand: Triton's pipeliner
-    stages only dot operands), two steps of loads in flight a thread instead of one."""
+    GATED, the weight holds [gate | up] rows and the output is silu(gate) * up (_gated_epilogue)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     # rows past N are clamped to valid rows (valid loads) and masked at the store
@@ -361,61 +359,29 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr, 
     if NORM:
         inv = _rms_inv(x_ptr, K, eps, BLOCK_K)
     x0, x1, x2, x3, xsum, magic_xsum = _x_step(x_ptr, nwv, K, k, km, inv, dt, NORM, SILU, EVEN_K, C, VEC)
-    if PREFETCH:
-        for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
-            k = k0 + col
-            km = k < k_hi
-            grp = (k0 + chunk) // GROUP_SIZE
-            cm = k0 + chunk < k_hi
-            v0, t0, u0 = _load_row(r0, s0, m0, k, grp, km, cm, FORMAT, EVEN_K, SYM)
-            a0 = _dot_loaded(a0, w0, sc0, mn0, x0, x1, x2, x3, xsum, magic_xsum, FORMAT, C, VEC, ASM, EXACT, SYM)
-            w0, sc0, mn0 = v0, t0, u0
-            if ROWS > 1:
-                v1, t1, u1 = _load_row(r1, s1, m1, k, grp, km, cm, FORMAT, EVEN_K, SYM)
-                a1 = _dot_loaded(a1, w1, sc1, mn1, x0, x1, x2, x3, xsum, magic_xsum, FORMAT, C, VEC, ASM, EXACT,
-                                 SYM)
-                w1, sc1, mn1 = v1, t1, u1
-            if ROWS > 2:
-                v2, t2, u2 = _load_row(r2, s2, m2, k, grp, km, cm, FORMAT, EVEN_K, SYM)
-                v3, t3, u3 = _load_row(r3, s3, m3, k, grp, km, cm, FORMAT, EVEN_K, SYM)
-                a2 = _dot_loaded(a2, w2, sc2, mn2, x0, x1, x2, x3, xsum, magic_xsum, FORMAT, C, VEC, ASM, EXACT,
-                                 SYM)
-                a3 = _dot_loaded(a3, w3, sc3, mn3, x0, x1, x2, x3, xsum, magic_xsum, FORMAT, C, VEC, ASM, EXACT,
-                                 SYM)
-                w2, sc2, mn2 = v2, t2, u2
-                w3, sc3, mn3 = v3, t3, u3
-            nwv = _norm_weights(nw_ptr, k, km, NORM)
-            x0, x1, x2, x3, xsum, magic_xsum = _x_step(x_ptr, nwv, K, k, km, inv, dt, NORM, SILU, EVEN_K, C, VEC)
+    a0 = _dot_loaded(a0, w0, sc0, mn0, x0, x1, x2, x3, xsum, magic_xsum, FORMAT, C, VEC, ASM, EXACT, SYM)
+    if ROWS > 1:
+        a1 = _dot_loaded(a1, w1, sc1, mn1, x0, x1, x2, x3, xsum, magic_xsum, FORMAT, C, VEC, ASM, EXACT, SYM)
+    if ROWS > 2:
+        a2 = _dot_loaded(a2, w2, sc2, mn2, x0, x1, x2, x3, xsum, magic_xsum, FORMAT, C, VEC, ASM, EXACT, SYM)
+        a3 = _dot_loaded(a3, w3, sc3, mn3, x0, x1, x2, x3, xsum, magic_xsum, FORMAT, C, VEC, ASM, EXACT, SYM)
+    for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
+        k = k0 + col
+        km = k < k_hi
+        grp = (k0 + chunk) // GROUP_SIZE
+        cm = k0 + chunk < k_hi
+        nwv = _norm_weights(nw_ptr, k, km, NORM)
+        x0, x1, x2, x3, xsum, magic_xsum = _x_step(x_ptr, nwv, K, k, km, inv, dt, NORM, SILU, EVEN_K, C, VEC)
+        w0, sc0, mn0 = _load_row(r0, s0, m0, k, grp, km, cm, FORMAT, EVEN_K, SYM)
         a0 = _dot_loaded(a0, w0, sc0, mn0, x0, x1, x2, x3, xsum, magic_xsum, FORMAT, C, VEC, ASM, EXACT, SYM)
         if ROWS > 1:
+            w1, sc1, mn1 = _load_row(r1, s1, m1, k, grp, km, cm, FORMAT, EVEN_K, SYM)
             a1 = _dot_loaded(a1, w1, sc1, mn1, x0, x1, x2, x3, xsum, magic_xsum, FORMAT, C, VEC, ASM, EXACT, SYM)
         if ROWS > 2:
+            w2, sc2, mn2 = _load_row(r2, s2, m2, k, grp, km, cm, FORMAT, EVEN_K, SYM)
             a2 = _dot_loaded(a2, w2, sc2, mn2, x0, x1, x2, x3, xsum, magic_xsum, FORMAT, C, VEC, ASM, EXACT, SYM)
+            w3, sc3, mn3 = _load_row(r3, s3, m3, k, grp, km, cm, FORMAT, EVEN_K, SYM)
             a3 = _dot_loaded(a3, w3, sc3, mn3, x0, x1, x2, x3, xsum, magic_xsum, FORMAT, C, VEC, ASM, EXACT, SYM)
-    else:
-        a0 = _dot_loaded(a0, w0, sc0, mn0, x0, x1, x2, x3, xsum, magic_xsum, FORMAT, C, VEC, ASM, EXACT, SYM)
-        if ROWS > 1:
-            a1 = _dot_loaded(a1, w1, sc1, mn1, x0, x1, x2, x3, xsum, magic_xsum, FORMAT, C, VEC, ASM, EXACT, SYM)
-        if ROWS > 2:
-            a2 = _dot_loaded(a2, w2, sc2, mn2, x0, x1, x2, x3, xsum, magic_xsum, FORMAT, C, VEC, ASM, EXACT, SYM)
-            a3 = _dot_loaded(a3, w3, sc3, mn3, x0, x1, x2, x3, xsum, magic_xsum, FORMAT, C, VEC, ASM, EXACT, SYM)
-        for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
-            k = k0 + col
-            km = k < k_hi
-            grp = (k0 + chunk) // GROUP_SIZE
-            cm = k0 + chunk < k_hi
-            nwv = _norm_weights(nw_ptr, k, km, NORM)
-            x0, x1, x2, x3, xsum, magic_xsum = _x_step(x_ptr, nwv, K, k, km, inv, dt, NORM, SILU, EVEN_K, C, VEC)
-            w0, sc0, mn0 = _load_row(r0, s0, m0, k, grp, km, cm, FORMAT, EVEN_K, SYM)
-            a0 = _dot_loaded(a0, w0, sc0, mn0, x0, x1, x2, x3, xsum, magic_xsum, FORMAT, C, VEC, ASM, EXACT, SYM)
-            if ROWS > 1:
-                w1, sc1, mn1 = _load_row(r1, s1, m1, k, grp, km, cm, FORMAT, EVEN_K, SYM)
-                a1 = _dot_loaded(a1, w1, sc1, mn1, x0, x1, x2, x3, xsum, magic_xsum, FORMAT, C, VEC, ASM, EXACT, SYM)
-            if ROWS > 2:
-                w2, sc2, mn2 = _load_row(r2, s2, m2, k, grp, km, cm, FORMAT, EVEN_K, SYM)
-                a2 = _dot_loaded(a2, w2, sc2, mn2, x0, x1, x2, x3, xsum, magic_xsum, FORMAT, C, VEC, ASM, EXACT, SYM)
-                w3, sc3, mn3 = _load_row(r3, s3, m3, k, grp, km, cm, FORMAT, EVEN_K, SYM)
-                a3 = _dot_loaded(a3, w3, sc3, mn3, x0, x1, x2, x3, xsum, magic_xsum, FORMAT, C, VEC, ASM, EXACT, SYM)
     y = _rows_result(tl.sum(a0, axis=0), tl.sum(a1, axis=0), tl.sum(a2, axis=0), tl.sum(a3, axis=0))
     _gemv_store(y, n, N, pid_n, pid_k, num_splits, bias_ptr, out_ptr, part_ptr, counters_ptr, bias, res, HAS_BIAS,
                 SPLIT, RESIDUAL, GATED, ROWS)
@@ -543,14 +509,13 @@ def _gemv_w4_kernel(xw_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_p
                     X_KIND: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
                     GROUP_SIZE: tl.constexpr, ROWS: tl.constexpr, BLOCK_KB: tl.constexpr, NORM: tl.constexpr,
                     SILU: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr,
-                    GATED: tl.constexpr, EXACT: tl.constexpr, PREFETCH: tl.constexpr):
+                    GATED: tl.constexpr, EXACT: tl.constexpr):
     """One row of x against ROWS (1, 2 or 4) rows of w4 weights (KB bytes a row), as _gemv_kernel
     (its first step's weights also load before the wait on the previous kernel).
     Tiles are [BLOCK_KB // 16, 16] bytes: a 16-byte chunk lies inside one group (groups are >= 16
     bytes), so it takes one scale and one minimum. x comes as words holding the pair
     (x[2j], x[2j+1]) of byte j, unpacked once per step for all rows; NORM / SILU / RESIDUAL as in
-    _gemv_kernel (nw_ptr: the norm weight as words too; SILU: gate words, then KB up words; GATED;
-    PREFETCH)."""
+    _gemv_kernel (nw_ptr: the norm weight as words too; SILU: gate words, then KB up words; GATED)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     i0, i1, i2, i3, n = _gemv_rows(pid_n, N, ROWS, GATED)
@@ -584,60 +549,30 @@ def _gemv_w4_kernel(xw_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_p
         inv = _rms_inv_words(xw_ptr, KB, eps, X_KIND, BLOCK_KB)
     e0, e1, e2, e3, o0, o1, o2, o3, xsum, magic_xsum = _x_step_w4(xw_ptr, nww, KB, byte, cm, inv, X_KIND, NORM,
                                                                   SILU, EVEN_K, C)
-    if PREFETCH:
-        for kb0 in range(b_lo + BLOCK_KB, b_hi, BLOCK_KB):
-            start = kb0 + chunk
-            byte = start[:, None] + v[None, :]
-            grp = start // (GROUP_SIZE // 2)
-            cm = start < b_hi
-            v0, t0, u0 = _load_row_w4(r0, s0, m0, byte, grp, cm, EVEN_K)
-            a0 = _dot_loaded_w4(a0, w0, sc0, mn0, e0, e1, e2, e3, o0, o1, o2, o3, xsum, magic_xsum, C, ASM, EXACT)
-            w0, sc0, mn0 = v0, t0, u0
-            if ROWS > 1:
-                v1, t1, u1 = _load_row_w4(r1, s1, m1, byte, grp, cm, EVEN_K)
-                a1 = _dot_loaded_w4(a1, w1, sc1, mn1, e0, e1, e2, e3, o0, o1, o2, o3, xsum, magic_xsum, C, ASM, EXACT)
-                w1, sc1, mn1 = v1, t1, u1
-            if ROWS > 2:
-                v2, t2, u2 = _load_row_w4(r2, s2, m2, byte, grp, cm, EVEN_K)
-                v3, t3, u3 = _load_row_w4(r3, s3, m3, byte, grp, cm, EVEN_K)
-                a2 = _dot_loaded_w4(a2, w2, sc2, mn2, e0, e1, e2, e3, o0, o1, o2, o3, xsum, magic_xsum, C, ASM, EXACT)
-                a3 = _dot_loaded_w4(a3, w3, sc3, mn3, e0, e1, e2, e3, o0, o1, o2, o3, xsum, magic_xsum, C, ASM, EXACT)
-                w2, sc2, mn2 = v2, t2, u2
-                w3, sc3, mn3 = v3, t3, u3
-            nww = _norm_words(nw_ptr, byte, cm, NORM)
-            e0, e1, e2, e3, o0, o1, o2, o3, xsum, magic_xsum = _x_step_w4(xw_ptr, nww, KB, byte, cm, inv, X_KIND,
-                                                                          NORM, SILU, EVEN_K, C)
+    a0 = _dot_loaded_w4(a0, w0, sc0, mn0, e0, e1, e2, e3, o0, o1, o2, o3, xsum, magic_xsum, C, ASM, EXACT)
+    if ROWS > 1:
+        a1 = _dot_loaded_w4(a1, w1, sc1, mn1, e0, e1, e2, e3, o0, o1, o2, o3, xsum, magic_xsum, C, ASM, EXACT)
+    if ROWS > 2:
+        a2 = _dot_loaded_w4(a2, w2, sc2, mn2, e0, e1, e2, e3, o0, o1, o2, o3, xsum, magic_xsum, C, ASM, EXACT)
+        a3 = _dot_loaded_w4(a3, w3, sc3, mn3, e0, e1, e2, e3, o0, o1, o2, o3, xsum, magic_xsum, C, ASM, EXACT)
+    for kb0 in range(b_lo + BLOCK_KB, b_hi, BLOCK_KB):
+        start = kb0 + chunk
+        byte = start[:, None] + v[None, :]
+        grp = start // (GROUP_SIZE // 2)
+        cm = start < b_hi
+        nww = _norm_words(nw_ptr, byte, cm, NORM)
+        e0, e1, e2, e3, o0, o1, o2, o3, xsum, magic_xsum = _x_step_w4(xw_ptr, nww, KB, byte, cm, inv, X_KIND,
+                                                                      NORM, SILU, EVEN_K, C)
+        w0, sc0, mn0 = _load_row_w4(r0, s0, m0, byte, grp, cm, EVEN_K)
         a0 = _dot_loaded_w4(a0, w0, sc0, mn0, e0, e1, e2, e3, o0, o1, o2, o3, xsum, magic_xsum, C, ASM, EXACT)
         if ROWS > 1:
+            w1, sc1, mn1 = _load_row_w4(r1, s1, m1, byte, grp, cm, EVEN_K)
             a1 = _dot_loaded_w4(a1, w1, sc1, mn1, e0, e1, e2, e3, o0, o1, o2, o3, xsum, magic_xsum, C, ASM, EXACT)
         if ROWS > 2:
+            w2, sc2, mn2 = _load_row_w4(r2, s2, m2, byte, grp, cm, EVEN_K)
             a2 = _dot_loaded_w4(a2, w2, sc2, mn2, e0, e1, e2, e3, o0, o1, o2, o3, xsum, magic_xsum, C, ASM, EXACT)
+            w3, sc3, mn3 = _load_row_w4(r3, s3, m3, byte, grp, cm, EVEN_K)
             a3 = _dot_loaded_w4(a3, w3, sc3, mn3, e0, e1, e2, e3, o0, o1, o2, o3, xsum, magic_xsum, C, ASM, EXACT)
-    else:
-        a0 = _dot_loaded_w4(a0, w0, sc0, mn0, e0, e1, e2, e3, o0, o1, o2, o3, xsum, magic_xsum, C, ASM, EXACT)
-        if ROWS > 1:
-            a1 = _dot_loaded_w4(a1, w1, sc1, mn1, e0, e1, e2, e3, o0, o1, o2, o3, xsum, magic_xsum, C, ASM, EXACT)
-        if ROWS > 2:
-            a2 = _dot_loaded_w4(a2, w2, sc2, mn2, e0, e1, e2, e3, o0, o1, o2, o3, xsum, magic_xsum, C, ASM, EXACT)
-            a3 = _dot_loaded_w4(a3, w3, sc3, mn3, e0, e1, e2, e3, o0, o1, o2, o3, xsum, magic_xsum, C, ASM, EXACT)
-        for kb0 in range(b_lo + BLOCK_KB, b_hi, BLOCK_KB):
-            start = kb0 + chunk
-            byte = start[:, None] + v[None, :]
-            grp = start // (GROUP_SIZE // 2)
-            cm = start < b_hi
-            nww = _norm_words(nw_ptr, byte, cm, NORM)
-            e0, e1, e2, e3, o0, o1, o2, o3, xsum, magic_xsum = _x_step_w4(xw_ptr, nww, KB, byte, cm, inv, X_KIND,
-                                                                          NORM, SILU, EVEN_K, C)
-            w0, sc0, mn0 = _load_row_w4(r0, s0, m0, byte, grp, cm, EVEN_K)
-            a0 = _dot_loaded_w4(a0, w0, sc0, mn0, e0, e1, e2, e3, o0, o1, o2, o3, xsum, magic_xsum, C, ASM, EXACT)
-            if ROWS > 1:
-                w1, sc1, mn1 = _load_row_w4(r1, s1, m1, byte, grp, cm, EVEN_K)
-                a1 = _dot_loaded_w4(a1, w1, sc1, mn1, e0, e1, e2, e3, o0, o1, o2, o3, xsum, magic_xsum, C, ASM, EXACT)
-            if ROWS > 2:
-                w2, sc2, mn2 = _load_row_w4(r2, s2, m2, byte, grp, cm, EVEN_K)
-                a2 = _dot_loaded_w4(a2, w2, sc2, mn2, e0, e1, e2, e3, o0, o1, o2, o3, xsum, magic_xsum, C, ASM, EXACT)
-                w3, sc3, mn3 = _load_row_w4(r3, s3, m3, byte, grp, cm, EVEN_K)
-                a3 = _dot_loaded_w4(a3, w3, sc3, mn3, e0, e1, e2, e3, o0, o1, o2, o3, xsum, magic_xsum, C, ASM, EXACT)
     y = _rows_result(tl.sum(a0, axis=0), tl.sum(a1, axis=0), tl.sum(a2, axis=0), tl.sum(a3, axis=0))
     _gemv_store(y, n, N, pid_n, pid_k, num_splits, bias_ptr, out_ptr, part_ptr, counters_ptr, bias, res, HAS_BIAS,
                 SPLIT, RESIDUAL, GATED, ROWS)
@@ -1074,8 +1009,8 @@ def linear(x: torch.Tensor, w: LinearWeight, config: LinearConfig | None = None,
             _x_words(nw) if norm_weight is not None else out, res, norm_eps, n, kb, per, split, data.stride(0),
             scale.stride(0), X_KIND=_X_KINDS[x.dtype], HAS_BIAS=w.bias is not None, SPLIT=split > 1,
             EVEN_K=kb % block_kb == 0, GROUP_SIZE=w.group_size, ROWS=rows_per_program, BLOCK_KB=block_kb,
-            RESIDUAL=res2 is not None, **fused, ASM=asm_conversions(x.device), EXACT=exact, PREFETCH=cfg.prefetch,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(x.device))
+            RESIDUAL=res2 is not None, **fused, ASM=asm_conversions(x.device), EXACT=exact, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages, **pdl_launch(x.device))
     else:
         block_k = max(cfg.block_k, 32)
         row_group = fmt == 1 and w.group_size == k
@@ -1090,8 +1025,7 @@ def linear(x: torch.Tensor, w: LinearWeight, config: LinearConfig | None = None,
                 HAS_BIAS=w.bias is not None, SPLIT=split > 1, EVEN_K=even_k, GROUP_SIZE=max(w.group_size, 1),
                 ROWS=rows_per_program, BLOCK_K=block_k,
                 VEC=16 // data.element_size(), RESIDUAL=res2 is not None, **fused, ASM=asm_conversions(x.device),
-                EXACT=exact, SYM=sym, PREFETCH=cfg.prefetch, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                **pdl_launch(x.device))
+                EXACT=exact, SYM=sym, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(x.device))
         else:
             tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
             _matmul_kernel[(tiles, split)](

@@ -305,32 +305,6 @@ def test_linear_fused_forms_equal_the_composed_ops(fmt: str, form: str, rows: in
     assert (got.float() - want.float()).abs().max().item() <= tol * scale, (got, want)
 
 
-@pytest.mark.parametrize("fmt,form,rows,k,split", [(fmt, "plain", 4, 224, 1) for fmt in ("dense", "w8", "w8sym", "w4")]
-                         + [("w8", "norm", 2, 256, 1), ("w4", "silu+residual", 4, 256, 2), ("w8sym", "silu out", 2, 192, 1),
-                            ("w4", "norm+silu out", 4, 192, 1), ("dense", "residual", 1, 160, 2)])
-def test_gemv_prefetch_of_the_next_steps_weights_changes_no_bit(fmt: str, form: str, rows: int, k: int,
-                                                                split: int) -> None:
-    """The decode GEMV that loads a step's weights before the previous step's dot computes what the plain
-    one does, bit for bit: several steps a program, ragged K (the last step masked), K splits of
-    several steps, and the fused forms (the norm weight and x of the next step load after the dot)."""
-    torch.manual_seed(k + rows)
-    spec = _FUSED_FORMS.get(form, {})
-    gated = spec.get("silu_mul_out", False)
-    n = 14 if gated else 12
-    w = _weight(fmt, n, k, torch.float16, bias=True)
-    x = torch.randn(1, 2 * k if spec.get("silu_mul") else k).to(torch.float16)
-    kw = dict(silu_mul=spec.get("silu_mul", False), silu_mul_out=gated, fuse_input=True)
-    if spec.get("norm"):
-        kw.update(norm_weight=(1.0 + 0.3 * torch.randn(k)).to(torch.float16), norm_eps=1e-5)
-    if spec.get("residual"):
-        kw.update(residual=(4 * torch.randn(1, n)).to(torch.float16))
-    plain = tlin.linear(x, w, tlin.LinearConfig("gemv", 1, rows, 32, split), **kw)
-    got = tlin.linear(x, w, tlin.LinearConfig("gemv", 1, rows, 32, split, prefetch=True), **kw)
-    assert torch.equal(got, plain)
-    want = reference.linear(x, w, **{a: b for a, b in kw.items() if a != "fuse_input"})
-    assert (got.float() - want.float()).abs().max().item() <= 8e-3 * want.float().abs().max().item()
-
-
 @pytest.mark.parametrize("vocab", [1, 37, 4096, 10000])
 def test_argmax_takes_the_first_index_of_each_rows_maximum(vocab: int) -> None:
     """Many pieces a row (10000: three of 4096), ties across and inside pieces go to the lowest index,

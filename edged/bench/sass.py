@@ -107,8 +107,7 @@ def compile_gemv(fmt: str, n: int, k: int, arch: int = 90, **forms: bool):
 
     cfg = tlin.choose_config(1, n, k, fmt, torch.device("cuda"), sm_count=H200_SMS)
     common = dict(HAS_BIAS=False, SPLIT=cfg.split > 1, GROUP_SIZE=32, ROWS=cfg.block_n, NORM=False, SILU=False,
-                  RESIDUAL=False, PDL=arch >= 90, ASM=True, GATED=False, EXACT=False, SYM=fmt == "w8",
-                  PREFETCH=cfg.prefetch)
+                  RESIDUAL=False, PDL=arch >= 90, ASM=True, GATED=False, EXACT=False, SYM=fmt == "w8")
     common.update(forms)
     step = _step(fmt, cfg)
     if fmt == "w4":
