@@ -93,6 +93,24 @@ def test_linear_gemv_variants(fmt: str) -> None:
 
 
 @pytest.mark.parametrize("fmt", ["w8", "w8sym"])
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336), (4099, 2048)])
+def test_gemv_of_several_x_rows_at_real_shapes_gives_the_single_row_gemvs_bits(n: int, k: int, fmt: str) -> None:
+    """A few sequences (M = 2-8) of grouped w8 through choose_config's launch: the GEMV of several x rows,
+    each row's result the one-row GEMV's bit for bit, with the residual, and within bfloat16's error of the
+    reference."""
+    w = make_weight(fmt, n, k, torch.bfloat16, bias=False, seed=n + k)
+    for m in (2, 3, 4, 5, 8):
+        cfg = tlin.choose_config(m, n, k, "w8", torch.device(DEV))
+        assert cfg.kind == "gemv", cfg
+        x = torch.randn(m, k, device=DEV).bfloat16()
+        res = torch.randn(m, n, device=DEV).bfloat16()
+        got = tlin.linear(x, w, residual=res)
+        rows = torch.cat([tlin.linear(x[i:i + 1], w, cfg, residual=res[i:i + 1]) for i in range(m)])
+        assert torch.equal(got, rows), m
+        assert rel_err(got, ref_linear(x, w).float() + res.float()) < REL[torch.bfloat16], m
+
+
+@pytest.mark.parametrize("fmt", ["w8", "w8sym"])
 def test_linear_matmul_variants(fmt: str) -> None:
     """Every form of the batched (M = 2-64) grouped w8 matmul the sweeps consider, on a ragged N, with K
     splits, fused residual and bias: each equal to the reference within bfloat16's error."""
