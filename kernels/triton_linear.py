@@ -322,6 +322,13 @@ def _x_step(x_ptr, nwv, K, k, km, inv, dt: tl.constexpr, NORM: tl.constexpr, SIL
 
 
 @triton.jit
+def _step_columns(k0, k_hi, col, chunk, GROUP_SIZE: tl.constexpr):
+    """A K step from column k0: its columns [chunks, VEC] and their mask, each chunk's group and mask."""
+    k = k0 + col
+    return k, k < k_hi, (k0 + chunk) // GROUP_SIZE, k0 + chunk < k_hi
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr, counters_ptr, nw_ptr, res_ptr, eps,
                  N, K, k_per_split, num_splits, stride_wn, stride_sn, FORMAT: tl.constexpr, HAS_BIAS: tl.constexpr,
                  SPLIT: tl.constexpr, EVEN_K: tl.constexpr, GROUP_SIZE: tl.constexpr, ROWS: tl.constexpr,
@@ -359,10 +366,7 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr, 
     a2 = tl.zeros([C], dtype=tl.float32)
     a3 = tl.zeros([C], dtype=tl.float32)
     dt = x_ptr.dtype.element_ty
-    k = k_lo + col
-    km = k < k_hi
-    grp = (k_lo + chunk) // GROUP_SIZE
-    cm = k_lo + chunk < k_hi
+    k, km, grp, cm = _step_columns(k_lo, k_hi, col, chunk, GROUP_SIZE)
     w0, sc0, mn0 = _load_row(r0, s0, m0, k, grp, km, cm, FORMAT, EVEN_K, SYM)
     if ROWS > 1:
         w1, sc1, mn1 = _load_row(r1, s1, m1, k, grp, km, cm, FORMAT, EVEN_K, SYM)
@@ -383,10 +387,7 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr, 
         a2 = _dot_loaded(a2, w2, sc2, mn2, x0, x1, x2, x3, xsum, magic_xsum, FORMAT, C, VEC, ASM, EXACT, SYM)
         a3 = _dot_loaded(a3, w3, sc3, mn3, x0, x1, x2, x3, xsum, magic_xsum, FORMAT, C, VEC, ASM, EXACT, SYM)
     for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
-        k = k0 + col
-        km = k < k_hi
-        grp = (k0 + chunk) // GROUP_SIZE
-        cm = k0 + chunk < k_hi
+        k, km, grp, cm = _step_columns(k0, k_hi, col, chunk, GROUP_SIZE)
         nwv = _norm_weights(nw_ptr, k, km, NORM)
         x0, x1, x2, x3, xsum, magic_xsum = _x_step(x_ptr, nwv, K, k, km, inv, dt, NORM, SILU, EVEN_K, C, VEC)
         w0, sc0, mn0 = _load_row(r0, s0, m0, k, grp, km, cm, FORMAT, EVEN_K, SYM)
@@ -490,10 +491,7 @@ def _gemv_x_rows_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, par
     a12 = a00
     a13 = a00
     dt = x_ptr.dtype.element_ty
-    k = k_lo + col
-    km = k < k_hi
-    grp = (k_lo + chunk) // GROUP_SIZE
-    cm = k_lo + chunk < k_hi
+    k, km, grp, cm = _step_columns(k_lo, k_hi, col, chunk, GROUP_SIZE)
     w0, sc0, mn0 = _load_row(r0, s0, m0, k, grp, km, cm, FORMAT, EVEN_K, SYM)
     w1, sc1, mn1 = w0, sc0, mn0
     if ROWS > 1:
@@ -506,10 +504,7 @@ def _gemv_x_rows_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, par
         a00, a01, a02, a03, a10, a11, a12, a13, w0, sc0, mn0, w1, sc1, mn1, x_ptr, stride_xm, K, k, km, dt, FORMAT,
         ROWS, XROWS, EVEN_K, C, VEC, ASM, EXACT, SYM)
     for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
-        k = k0 + col
-        km = k < k_hi
-        grp = (k0 + chunk) // GROUP_SIZE
-        cm = k0 + chunk < k_hi
+        k, km, grp, cm = _step_columns(k0, k_hi, col, chunk, GROUP_SIZE)
         w0, sc0, mn0 = _load_row(r0, s0, m0, k, grp, km, cm, FORMAT, EVEN_K, SYM)
         if ROWS > 1:
             w1, sc1, mn1 = _load_row(r1, s1, m1, k, grp, km, cm, FORMAT, EVEN_K, SYM)
