@@ -406,17 +406,13 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr, 
 
 
 @triton.jit
-def _x_rows_step(a00, a01, a02, a03, a10, a11, a12, a13, w0, sc0, mn0, w1, sc1, mn1, x_ptr, stride_xm, K, k, km,
-                 dt: tl.constexpr, FORMAT: tl.constexpr, ROWS: tl.constexpr, XROWS: tl.constexpr,
-                 EVEN_K: tl.constexpr, C: tl.constexpr, VEC: tl.constexpr, ASM: tl.constexpr, EXACT: tl.constexpr,
-                 SYM: tl.constexpr):
-    """One K step of _gemv_x_rows_kernel: the step's weights (ROWS rows: w0, and w1 when ROWS == 2)
-    converted once, then each of the XROWS rows of x loaded and summed against them; a{r}{m} accumulates
-    weight row r against x row m, in the single-row GEMV's arithmetic."""
-    p00, p01, p02, p03 = _weight_floats(w0, FORMAT, C, VEC, ASM, EXACT, SYM)
-    p10, p11, p12, p13 = p00, p01, p02, p03
-    if ROWS > 1:
-        p10, p11, p12, p13 = _weight_floats(w1, FORMAT, C, VEC, ASM, EXACT, SYM)
+def _x_rows_step(a00, a01, a02, a03, a10, a11, a12, a13, p00, p01, p02, p03, p10, p11, p12, p13, sc0, mn0, sc1, mn1,
+                 x_ptr, stride_xm, K, k, km, dt: tl.constexpr, FORMAT: tl.constexpr, ROWS: tl.constexpr,
+                 XROWS: tl.constexpr, EVEN_K: tl.constexpr, C: tl.constexpr, VEC: tl.constexpr,
+                 EXACT: tl.constexpr, SYM: tl.constexpr):
+    """One K step of up to 4 rows of x (XROWS, from x_ptr) against the program's converted weight rows
+    (p0*: row 0's _weight_floats, p1*: row 1's when ROWS == 2): each x row loaded once and summed against
+    them; a{r}{m} accumulates weight row r against x row m, in the single-row GEMV's arithmetic."""
     x0, x1, x2, x3, xs, mxs = _x_step(x_ptr, 0.0, K, k, km, 1.0, dt, False, False, EVEN_K, C, VEC)
     a00 = _chunk_sums(a00, p00, p01, p02, p03, sc0, mn0, x0, x1, x2, x3, xs, mxs, FORMAT, EXACT, SYM)
     if ROWS > 1:
@@ -442,6 +438,28 @@ def _x_rows_step(a00, a01, a02, a03, a10, a11, a12, a13, w0, sc0, mn0, w1, sc1, 
 
 
 @triton.jit
+def _x_rows_step8(a00, a01, a02, a03, a10, a11, a12, a13, b00, b01, b02, b03, b10, b11, b12, b13, w0, sc0, mn0, w1,
+                  sc1, mn1, x_ptr, stride_xm, K, k, km, dt: tl.constexpr, FORMAT: tl.constexpr, ROWS: tl.constexpr,
+                  XROWS: tl.constexpr, EVEN_K: tl.constexpr, C: tl.constexpr, VEC: tl.constexpr, ASM: tl.constexpr,
+                  EXACT: tl.constexpr, SYM: tl.constexpr):
+    """One K step of _gemv_x_rows_kernel: the step's weights (w0, and w1 when ROWS == 2) converted once,
+    then summed against x rows 0-3 (accumulators a) and 4-7 (b) by _x_rows_step."""
+    XA: tl.constexpr = 4 if XROWS > 4 else XROWS
+    p00, p01, p02, p03 = _weight_floats(w0, FORMAT, C, VEC, ASM, EXACT, SYM)
+    p10, p11, p12, p13 = p00, p01, p02, p03
+    if ROWS > 1:
+        p10, p11, p12, p13 = _weight_floats(w1, FORMAT, C, VEC, ASM, EXACT, SYM)
+    a00, a01, a02, a03, a10, a11, a12, a13 = _x_rows_step(
+        a00, a01, a02, a03, a10, a11, a12, a13, p00, p01, p02, p03, p10, p11, p12, p13, sc0, mn0, sc1, mn1, x_ptr,
+        stride_xm, K, k, km, dt, FORMAT, ROWS, XA, EVEN_K, C, VEC, EXACT, SYM)
+    if XROWS > 4:
+        b00, b01, b02, b03, b10, b11, b12, b13 = _x_rows_step(
+            b00, b01, b02, b03, b10, b11, b12, b13, p00, p01, p02, p03, p10, p11, p12, p13, sc0, mn0, sc1, mn1,
+            x_ptr + 4 * stride_xm, stride_xm, K, k, km, dt, FORMAT, ROWS, XROWS - 4, EVEN_K, C, VEC, EXACT, SYM)
+    return a00, a01, a02, a03, a10, a11, a12, a13, b00, b01, b02, b03, b10, b11, b12, b13
+
+
+@triton.jit
 def _x_row_store(a0, a1, m, n, N, pid_k, M, out_ptr, part_ptr, bias, res_ptr, stride_om, stride_rm,
                  HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, RESIDUAL: tl.constexpr):
     """x row m's results of the program's weight rows (a0, a1: their accumulators) at output indices n:
@@ -459,13 +477,31 @@ def _x_row_store(a0, a1, m, n, N, pid_k, M, out_ptr, part_ptr, bias, res_ptr, st
 
 
 @triton.jit
+def _x_rows_store(a00, a01, a02, a03, a10, a11, a12, a13, m0, n, N, pid_k, M, out_ptr, part_ptr, bias, res_ptr,
+                  stride_om, stride_rm, XROWS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+                  RESIDUAL: tl.constexpr):
+    """_x_row_store for x rows m0 .. m0 + XROWS - 1 (XROWS <= 4; a{r}{m}: weight row r, x row m0 + m)."""
+    _x_row_store(a00, a10, m0, n, N, pid_k, M, out_ptr, part_ptr, bias, res_ptr, stride_om, stride_rm, HAS_BIAS,
+                 SPLIT, RESIDUAL)
+    if XROWS > 1:
+        _x_row_store(a01, a11, m0 + 1, n, N, pid_k, M, out_ptr, part_ptr, bias, res_ptr, stride_om, stride_rm,
+                     HAS_BIAS, SPLIT, RESIDUAL)
+    if XROWS > 2:
+        _x_row_store(a02, a12, m0 + 2, n, N, pid_k, M, out_ptr, part_ptr, bias, res_ptr, stride_om, stride_rm,
+                     HAS_BIAS, SPLIT, RESIDUAL)
+    if XROWS > 3:
+        _x_row_store(a03, a13, m0 + 3, n, N, pid_k, M, out_ptr, part_ptr, bias, res_ptr, stride_om, stride_rm,
+                     HAS_BIAS, SPLIT, RESIDUAL)
+
+
+@triton.jit
 def _gemv_x_rows_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr, res_ptr, M, N, K, k_per_split,
                         stride_xm, stride_wn, stride_sn, stride_om, stride_rm, FORMAT: tl.constexpr,
                         HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr, GROUP_SIZE: tl.constexpr,
                         ROWS: tl.constexpr, XROWS: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
                         RESIDUAL: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr, EXACT: tl.constexpr,
                         SYM: tl.constexpr):
-    """XROWS (1-4) rows of x against ROWS (1 or 2) rows of dense or w8 weights; program (row block, k split).
+    """XROWS (1-8) rows of x against ROWS (1 or 2) rows of dense or w8 weights; program (row block, k split).
     The decode GEMV for a few sequences: each weight is loaded and converted once and summed against every
     row of x (XROWS FMAs a weight), where the tiled matmul dequantizes whole tiles for the tensor cores and
     is bound by that. Row m of the result is what the single-row GEMV gives for x[m], bit for bit (the same
@@ -482,14 +518,10 @@ def _gemv_x_rows_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, par
     col = chunk[:, None] + tl.arange(0, VEC)[None, :]
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
+    # a{r}{m}: weight row r against x row m; b{r}{m}: against x row 4 + m
     a00 = tl.zeros([C], dtype=tl.float32)
-    a01 = a00
-    a02 = a00
-    a03 = a00
-    a10 = a00
-    a11 = a00
-    a12 = a00
-    a13 = a00
+    a01, a02, a03, a10, a11, a12, a13 = a00, a00, a00, a00, a00, a00, a00
+    b00, b01, b02, b03, b10, b11, b12, b13 = a00, a00, a00, a00, a00, a00, a00, a00
     dt = x_ptr.dtype.element_ty
     k, km, grp, cm = _step_columns(k_lo, k_hi, col, chunk, GROUP_SIZE)
     w0, sc0, mn0 = _load_row(r0, s0, m0, k, grp, km, cm, FORMAT, EVEN_K, SYM)
@@ -500,28 +532,23 @@ def _gemv_x_rows_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, par
     if HAS_BIAS and not SPLIT:
         bias = tl.load(bias_ptr + tl.minimum(n, N - 1)).to(tl.float32)
     pdl_begin(PDL)
-    a00, a01, a02, a03, a10, a11, a12, a13 = _x_rows_step(
-        a00, a01, a02, a03, a10, a11, a12, a13, w0, sc0, mn0, w1, sc1, mn1, x_ptr, stride_xm, K, k, km, dt, FORMAT,
-        ROWS, XROWS, EVEN_K, C, VEC, ASM, EXACT, SYM)
+    a00, a01, a02, a03, a10, a11, a12, a13, b00, b01, b02, b03, b10, b11, b12, b13 = _x_rows_step8(
+        a00, a01, a02, a03, a10, a11, a12, a13, b00, b01, b02, b03, b10, b11, b12, b13, w0, sc0, mn0, w1, sc1, mn1,
+        x_ptr, stride_xm, K, k, km, dt, FORMAT, ROWS, XROWS, EVEN_K, C, VEC, ASM, EXACT, SYM)
     for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
         k, km, grp, cm = _step_columns(k0, k_hi, col, chunk, GROUP_SIZE)
         w0, sc0, mn0 = _load_row(r0, s0, m0, k, grp, km, cm, FORMAT, EVEN_K, SYM)
         if ROWS > 1:
             w1, sc1, mn1 = _load_row(r1, s1, m1, k, grp, km, cm, FORMAT, EVEN_K, SYM)
-        a00, a01, a02, a03, a10, a11, a12, a13 = _x_rows_step(
-            a00, a01, a02, a03, a10, a11, a12, a13, w0, sc0, mn0, w1, sc1, mn1, x_ptr, stride_xm, K, k, km, dt,
-            FORMAT, ROWS, XROWS, EVEN_K, C, VEC, ASM, EXACT, SYM)
-    _x_row_store(a00, a10, 0, n, N, pid_k, M, out_ptr, part_ptr, bias, res_ptr, stride_om, stride_rm, HAS_BIAS, SPLIT,
-                 RESIDUAL)
-    if XROWS > 1:
-        _x_row_store(a01, a11, 1, n, N, pid_k, M, out_ptr, part_ptr, bias, res_ptr, stride_om, stride_rm, HAS_BIAS,
-                     SPLIT, RESIDUAL)
-    if XROWS > 2:
-        _x_row_store(a02, a12, 2, n, N, pid_k, M, out_ptr, part_ptr, bias, res_ptr, stride_om, stride_rm, HAS_BIAS,
-                     SPLIT, RESIDUAL)
-    if XROWS > 3:
-        _x_row_store(a03, a13, 3, n, N, pid_k, M, out_ptr, part_ptr, bias, res_ptr, stride_om, stride_rm, HAS_BIAS,
-                     SPLIT, RESIDUAL)
+        a00, a01, a02, a03, a10, a11, a12, a13, b00, b01, b02, b03, b10, b11, b12, b13 = _x_rows_step8(
+            a00, a01, a02, a03, a10, a11, a12, a13, b00, b01, b02, b03, b10, b11, b12, b13, w0, sc0, mn0, w1, sc1,
+            mn1, x_ptr, stride_xm, K, k, km, dt, FORMAT, ROWS, XROWS, EVEN_K, C, VEC, ASM, EXACT, SYM)
+    XA: tl.constexpr = 4 if XROWS > 4 else XROWS
+    _x_rows_store(a00, a01, a02, a03, a10, a11, a12, a13, 0, n, N, pid_k, M, out_ptr, part_ptr, bias, res_ptr,
+                  stride_om, stride_rm, XA, HAS_BIAS, SPLIT, RESIDUAL)
+    if XROWS > 4:
+        _x_rows_store(b00, b01, b02, b03, b10, b11, b12, b13, 4, n, N, pid_k, M, out_ptr, part_ptr, bias, res_ptr,
+                      stride_om, stride_rm, XROWS - 4, HAS_BIAS, SPLIT, RESIDUAL)
 
 
 @triton.jit
@@ -999,7 +1026,7 @@ def choose_config(m: int, n: int, k: int, fmt: str, device: torch.device,
     if fmt == "dense":
         return LinearConfig("torch")  # cuBLAS is at bandwidth for dense weights from M = 2 on
     if fmt == "w8" and m <= X_ROWS_GEMV_MAX:
-        # a few sequences: the GEMV of several x rows (_gemv_x_rows_kernel, 4 rows of x a launch), each
+        # a few sequences: the GEMV of several x rows (_gemv_x_rows_kernel, up to 8 rows of x a launch), each
         # weight converted once, where the tiled matmul is bound by dequantizing tiles (8B w8 batch 8: 932
         # tok/s against 367 at batch 1, docs/BENCHMARKS.md session 22). Not yet measured on the GPU
         block_k = 2048 if k > 1024 else 1024
@@ -1049,6 +1076,7 @@ def _torch_linear(x: torch.Tensor, w: LinearWeight, out_dtype: torch.dtype) -> t
 
 FUSED_INPUT_MAX_WEIGHTS = 1 << 23
 X_ROWS_GEMV_MAX = 8  # rows of x up to which grouped w8 takes the GEMV (choose_config)
+X_ROWS_PER_LAUNCH = 8  # rows of x one _gemv_x_rows_kernel launch takes (at most 8)
 
 
 def _gemv_counters(device: torch.device, rows: int, split: int, unused: torch.Tensor) -> torch.Tensor:
@@ -1069,7 +1097,7 @@ def exact_gemv(x_dtype: torch.dtype, out_dtype: torch.dtype) -> bool:
 def _gemv_x_rows(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bias: torch.Tensor,
                  out: torch.Tensor, res: torch.Tensor | None, w: LinearWeight, fmt: int, sym: bool, exact: bool,
                  cfg: LinearConfig) -> None:
-    """Launch _gemv_x_rows_kernel for 1-4 rows of x, and the split-K sum after it."""
+    """Launch _gemv_x_rows_kernel for 1-8 rows of x, and the split-K sum after it."""
     m, k = x.shape
     n = out.shape[1]
     block_k = max(cfg.block_k, 32)
@@ -1168,8 +1196,8 @@ def linear(x: torch.Tensor, w: LinearWeight, config: LinearConfig | None = None,
     if cfg.kind == "gemv" and m > 1:
         if fmt == 2 or cfg.block_n > 2:
             raise ValueError(f"a GEMV of {m} rows of x takes dense or w8 weights, 1 or 2 rows a program")
-        for m0 in range(0, m, 4):  # 4 rows of x a launch
-            rows = min(4, m - m0)
+        for m0 in range(0, m, X_ROWS_PER_LAUNCH):
+            rows = min(X_ROWS_PER_LAUNCH, m - m0)
             _gemv_x_rows(x2[m0:m0 + rows], data, scale, minimum, bias, out[m0:m0 + rows],
                          None if res2 is None else res2[m0:m0 + rows], w, fmt, sym, exact, cfg)
         return out.reshape(*lead, out.shape[-1])

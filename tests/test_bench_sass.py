@@ -44,7 +44,7 @@ def test_every_fused_form_of_the_decode_gemv_compiles_for_hopper(fmt, forms) -> 
     assert compiled.asm["cubin"]
 
 
-@pytest.mark.parametrize("xrows", [2, 4])
+@pytest.mark.parametrize("xrows", [2, 4, 8])
 def test_gemv_of_several_x_rows_converts_each_weight_once_without_shuffles(xrows) -> None:
     """The GEMV of a few sequences (grouped w8, the 8B's qkv shape): no shared memory or shuffles in its
     loop, one prmt a weight whatever the rows of x, one FMA a weight and row of x, and under 4 instructions

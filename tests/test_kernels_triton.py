@@ -306,13 +306,14 @@ def test_linear_fused_forms_equal_the_composed_ops(fmt: str, form: str, rows: in
 
 
 @pytest.mark.parametrize("fmt", ["dense", "w8", "w8sym"])
-@pytest.mark.parametrize("m,k,rows,split", [(2, 224, 1, 1), (3, 256, 2, 2), (4, 192, 2, 1), (7, 160, 1, 3)])
+@pytest.mark.parametrize("m,k,rows,split", [(2, 224, 1, 1), (3, 256, 2, 2), (4, 192, 2, 1), (7, 160, 1, 3),
+                                             (8, 96, 2, 1), (11, 128, 2, 2)])
 def test_gemv_of_several_x_rows_gives_each_rows_single_row_gemv_bit_for_bit(fmt: str, m: int, k: int, rows: int,
                                                                             split: int) -> None:
-    """The GEMV of a few sequences (each weight converted once, summed against every row of x; 4 rows of x
-    a launch, so 7 rows run as 4 + 3) computes what the one-row GEMV computes for each row, bit for bit:
-    several K steps (7 and 5 of 32 columns: 224 and 160), K splits
-    summed after, 1 or 2 weight rows a program over a ragged N, bias and residual."""
+    """The GEMV of a few sequences (each weight converted once, summed against every row of x; up to 8 rows
+    of x a launch, so 11 rows run as 8 + 3) computes what the one-row GEMV computes for each row, bit for
+    bit: several K steps (7 and 5 of 32 columns: 224 and 160), K splits summed after, 1 or 2 weight rows a
+    program over a ragged N, bias and residual."""
     torch.manual_seed(m * k)
     w = _weight(fmt, 9, k, torch.float16, bias=True)
     x = torch.randn(m, k).to(torch.float16)

@@ -135,7 +135,7 @@ def compile_gemv(fmt: str, n: int, k: int, arch: int = 90, **forms: bool):
 
 def compile_gemv_x_rows(n: int, k: int, xrows: int, arch: int = 90, sym: bool = True):
     """Triton's compiled GEMV of several x rows (bf16) against an [n, k] w8 weight, as `linear` launches it
-    on an H200 for `xrows` (1-4) sequences."""
+    on an H200 for `xrows` (1-8) sequences."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
