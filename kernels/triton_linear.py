@@ -1180,8 +1180,6 @@ def linear(x: torch.Tensor, w: LinearWeight, config: LinearConfig | None = None,
     data = w.data if w.data.stride(-1) == 1 else w.data.contiguous()
     scale = w.scale if w.scale is not None else data
     sym = fmt == 1 and w.minimum is None  # GGUF Q8_0's symmetric w8: w = (q - 128) * scale
-    if fmt == 2 and w.minimum is None:
-        raise ValueError("a w4 weight needs its minimums")
     minimum = w.minimum if w.minimum is not None else scale
     bias = w.bias if w.bias is not None else data
     out = torch.empty(m, n // 2 if silu_mul_out else n, dtype=out_dtype, device=x.device)

@@ -47,6 +47,10 @@ class LinearWeight:
     group_size: int = 0
     bias: torch.Tensor | None = None
 
+    def __post_init__(self) -> None:
+        if self.format == "w4" and self.minimum is None:  # only w8 has a symmetric form
+            raise ValueError("a w4 weight needs its minimums")
+
     @property
     def out_features(self) -> int:
         return self.data.shape[0]
@@ -81,9 +85,7 @@ def group_minimums(w: LinearWeight) -> torch.Tensor:
     implies (exact in float16: a power-of-two multiple)."""
     if w.minimum is not None:
         return w.minimum
-    if w.format != "w8":
-        raise ValueError(f"a {w.format} weight needs its minimums")
-    return w.scale * -128
+    return w.scale * -128  # symmetric w8: every w4 holds its minimums (LinearWeight checks)
 
 
 def dequantize(w: LinearWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:

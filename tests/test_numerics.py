@@ -94,6 +94,14 @@ def test_a_fused_weight_of_symmetric_and_asymmetric_w8_parts_keeps_every_parts_v
     assert concat_out([q_part, q_part]).minimum is None  # all symmetric: still no minimums to read
 
 
+def test_only_w8_weights_may_come_without_minimums() -> None:
+    """Symmetric w8 has no minimums; a w4 weight without them is refused where it is made."""
+    q8 = q8_0_like(4, 32)
+    assert dequantize(q8).shape == (4, 32)
+    with pytest.raises(ValueError, match="w4 weight needs its minimums"):
+        LinearWeight("w4", torch.zeros(4, 16, dtype=torch.uint8), q8.scale, None, 32)
+
+
 def _linear_impls() -> list:
     return [pytest.param("cpu", reference.linear, id="reference-cpu"),
             pytest.param("cpu", kernels.linear, id="default-cpu"),
