@@ -255,6 +255,15 @@ def _dot_loaded(acc, wv, s, mn, x0, x1, x2, x3, xsum, magic_xsum, FORMAT: tl.con
     (EXACT: the logits) take the constant off each weight instead (exact; one add a weight).
     SYM (GGUF Q8_0: w = (q - 128) * scale, no minimum): the 128 leaves with the constant, 32896 = 32768 + 128,
     and the dot is only scaled."""
+    q0, q1, q2, q3 = _weight_floats(wv, FORMAT, C, VEC, ASM, EXACT, SYM)
+    return _chunk_sums(acc, q0, q1, q2, q3, s, mn, x0, x1, x2, x3, xsum, magic_xsum, FORMAT, EXACT, SYM)
+
+
+@triton.jit
+def _weight_floats(wv, FORMAT: tl.constexpr, C: tl.constexpr, VEC: tl.constexpr, ASM: tl.constexpr,
+                   EXACT: tl.constexpr, SYM: tl.constexpr):
+    """One weight row's loaded step as the floats _dot_loaded multiplies (its quarters): w8 as magic + q
+    (EXACT: q, or q - 128 where SYM), dense as they are."""
     if FORMAT == 1:
         if ASM:
             q = magic_u8_f32_asm(wv)
@@ -262,8 +271,17 @@ def _dot_loaded(acc, wv, s, mn, x0, x1, x2, x3, xsum, magic_xsum, FORMAT: tl.con
             q = magic_u8_f32(wv)
         if EXACT:
             q -= 32896.0 if SYM else 32768.0
-        q0, q1, q2, q3 = _quarters(q, C, VEC)
-        dot = _chunk_dot(q0, q1, q2, q3, x0, x1, x2, x3)
+        return _quarters(q, C, VEC)
+    else:
+        return _quarters(wv.to(tl.float32), C, VEC)
+
+
+@triton.jit
+def _chunk_sums(acc, q0, q1, q2, q3, s, mn, x0, x1, x2, x3, xsum, magic_xsum, FORMAT: tl.constexpr,
+                EXACT: tl.constexpr, SYM: tl.constexpr):
+    """acc [chunks] += one row's _weight_floats against x's quarters, through _dot_loaded's w8 algebra."""
+    dot = _chunk_dot(q0, q1, q2, q3, x0, x1, x2, x3)
+    if FORMAT == 1:
         if not EXACT:
             dot -= magic_xsum
             if SYM:
@@ -272,8 +290,7 @@ def _dot_loaded(acc, wv, s, mn, x0, x1, x2, x3, xsum, magic_xsum, FORMAT: tl.con
             return acc + dot * s
         return acc + dot * s + xsum * mn
     else:
-        w0, w1, w2, w3 = _quarters(wv.to(tl.float32), C, VEC)
-        return acc + _chunk_dot(w0, w1, w2, w3, x0, x1, x2, x3)
+        return acc + dot
 
 
 @triton.jit
@@ -302,6 +319,13 @@ def _x_step(x_ptr, nwv, K, k, km, inv, dt: tl.constexpr, NORM: tl.constexpr, SIL
     xsum = tl.sum(xv, axis=1)
     x0, x1, x2, x3 = _quarters(xv, C, VEC)
     return x0, x1, x2, x3, xsum, xsum * 32768.0  # the last unused (and not computed) where EXACT
+
+
+@triton.jit
+def _step_columns(k0, k_hi, col, chunk, GROUP_SIZE: tl.constexpr):
+    """A K step from column k0: its columns [chunks, VEC] and their mask, each chunk's group and mask."""
+    k = k0 + col
+    return k, k < k_hi, (k0 + chunk) // GROUP_SIZE, k0 + chunk < k_hi
 
 
 @triton.jit
@@ -342,10 +366,7 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr, 
     a2 = tl.zeros([C], dtype=tl.float32)
     a3 = tl.zeros([C], dtype=tl.float32)
     dt = x_ptr.dtype.element_ty
-    k = k_lo + col
-    km = k < k_hi
-    grp = (k_lo + chunk) // GROUP_SIZE
-    cm = k_lo + chunk < k_hi
+    k, km, grp, cm = _step_columns(k_lo, k_hi, col, chunk, GROUP_SIZE)
     w0, sc0, mn0 = _load_row(r0, s0, m0, k, grp, km, cm, FORMAT, EVEN_K, SYM)
     if ROWS > 1:
         w1, sc1, mn1 = _load_row(r1, s1, m1, k, grp, km, cm, FORMAT, EVEN_K, SYM)
@@ -366,10 +387,7 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr, 
         a2 = _dot_loaded(a2, w2, sc2, mn2, x0, x1, x2, x3, xsum, magic_xsum, FORMAT, C, VEC, ASM, EXACT, SYM)
         a3 = _dot_loaded(a3, w3, sc3, mn3, x0, x1, x2, x3, xsum, magic_xsum, FORMAT, C, VEC, ASM, EXACT, SYM)
     for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
-        k = k0 + col
-        km = k < k_hi
-        grp = (k0 + chunk) // GROUP_SIZE
-        cm = k0 + chunk < k_hi
+        k, km, grp, cm = _step_columns(k0, k_hi, col, chunk, GROUP_SIZE)
         nwv = _norm_weights(nw_ptr, k, km, NORM)
         x0, x1, x2, x3, xsum, magic_xsum = _x_step(x_ptr, nwv, K, k, km, inv, dt, NORM, SILU, EVEN_K, C, VEC)
         w0, sc0, mn0 = _load_row(r0, s0, m0, k, grp, km, cm, FORMAT, EVEN_K, SYM)
@@ -385,6 +403,152 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr, 
     y = _rows_result(tl.sum(a0, axis=0), tl.sum(a1, axis=0), tl.sum(a2, axis=0), tl.sum(a3, axis=0))
     _gemv_store(y, n, N, pid_n, pid_k, num_splits, bias_ptr, out_ptr, part_ptr, counters_ptr, bias, res, HAS_BIAS,
                 SPLIT, RESIDUAL, GATED, ROWS)
+
+
+@triton.jit
+def _x_rows_step(a00, a01, a02, a03, a10, a11, a12, a13, p00, p01, p02, p03, p10, p11, p12, p13, sc0, mn0, sc1, mn1,
+                 x_ptr, stride_xm, K, k, km, dt: tl.constexpr, FORMAT: tl.constexpr, ROWS: tl.constexpr,
+                 XROWS: tl.constexpr, EVEN_K: tl.constexpr, C: tl.constexpr, VEC: tl.constexpr,
+                 EXACT: tl.constexpr, SYM: tl.constexpr):
+    """One K step of up to 4 rows of x (XROWS, from x_ptr) against the program's converted weight rows
+    (p0*: row 0's _weight_floats, p1*: row 1's when ROWS == 2): each x row loaded once and summed against
+    them; a{r}{m} accumulates weight row r against x row m, in the single-row GEMV's arithmetic."""
+    x0, x1, x2, x3, xs, mxs = _x_step(x_ptr, 0.0, K, k, km, 1.0, dt, False, False, EVEN_K, C, VEC)
+    a00 = _chunk_sums(a00, p00, p01, p02, p03, sc0, mn0, x0, x1, x2, x3, xs, mxs, FORMAT, EXACT, SYM)
+    if ROWS > 1:
+        a10 = _chunk_sums(a10, p10, p11, p12, p13, sc1, mn1, x0, x1, x2, x3, xs, mxs, FORMAT, EXACT, SYM)
+    if XROWS > 1:
+        x0, x1, x2, x3, xs, mxs = _x_step(x_ptr + stride_xm, 0.0, K, k, km, 1.0, dt, False, False, EVEN_K, C, VEC)
+        a01 = _chunk_sums(a01, p00, p01, p02, p03, sc0, mn0, x0, x1, x2, x3, xs, mxs, FORMAT, EXACT, SYM)
+        if ROWS > 1:
+            a11 = _chunk_sums(a11, p10, p11, p12, p13, sc1, mn1, x0, x1, x2, x3, xs, mxs, FORMAT, EXACT, SYM)
+    if XROWS > 2:
+        x0, x1, x2, x3, xs, mxs = _x_step(x_ptr + 2 * stride_xm, 0.0, K, k, km, 1.0, dt, False, False, EVEN_K, C,
+                                          VEC)
+        a02 = _chunk_sums(a02, p00, p01, p02, p03, sc0, mn0, x0, x1, x2, x3, xs, mxs, FORMAT, EXACT, SYM)
+        if ROWS > 1:
+            a12 = _chunk_sums(a12, p10, p11, p12, p13, sc1, mn1, x0, x1, x2, x3, xs, mxs, FORMAT, EXACT, SYM)
+    if XROWS > 3:
+        x0, x1, x2, x3, xs, mxs = _x_step(x_ptr + 3 * stride_xm, 0.0, K, k, km, 1.0, dt, False, False, EVEN_K, C,
+                                          VEC)
+        a03 = _chunk_sums(a03, p00, p01, p02, p03, sc0, mn0, x0, x1, x2, x3, xs, mxs, FORMAT, EXACT, SYM)
+        if ROWS > 1:
+            a13 = _chunk_sums(a13, p10, p11, p12, p13, sc1, mn1, x0, x1, x2, x3, xs, mxs, FORMAT, EXACT, SYM)
+    return a00, a01, a02, a03, a10, a11, a12, a13
+
+
+@triton.jit
+def _x_rows_step8(a00, a01, a02, a03, a10, a11, a12, a13, b00, b01, b02, b03, b10, b11, b12, b13, w0, sc0, mn0, w1,
+                  sc1, mn1, x_ptr, stride_xm, K, k, km, dt: tl.constexpr, FORMAT: tl.constexpr, ROWS: tl.constexpr,
+                  XROWS: tl.constexpr, EVEN_K: tl.constexpr, C: tl.constexpr, VEC: tl.constexpr, ASM: tl.constexpr,
+                  EXACT: tl.constexpr, SYM: tl.constexpr):
+    """One K step of _gemv_x_rows_kernel: the step's weights (w0, and w1 when ROWS == 2) converted once,
+    then summed against x rows 0-3 (accumulators a) and 4-7 (b) by _x_rows_step."""
+    XA: tl.constexpr = 4 if XROWS > 4 else XROWS
+    p00, p01, p02, p03 = _weight_floats(w0, FORMAT, C, VEC, ASM, EXACT, SYM)
+    p10, p11, p12, p13 = p00, p01, p02, p03
+    if ROWS > 1:
+        p10, p11, p12, p13 = _weight_floats(w1, FORMAT, C, VEC, ASM, EXACT, SYM)
+    a00, a01, a02, a03, a10, a11, a12, a13 = _x_rows_step(
+        a00, a01, a02, a03, a10, a11, a12, a13, p00, p01, p02, p03, p10, p11, p12, p13, sc0, mn0, sc1, mn1, x_ptr,
+        stride_xm, K, k, km, dt, FORMAT, ROWS, XA, EVEN_K, C, VEC, EXACT, SYM)
+    if XROWS > 4:
+        b00, b01, b02, b03, b10, b11, b12, b13 = _x_rows_step(
+            b00, b01, b02, b03, b10, b11, b12, b13, p00, p01, p02, p03, p10, p11, p12, p13, sc0, mn0, sc1, mn1,
+            x_ptr + 4 * stride_xm, stride_xm, K, k, km, dt, FORMAT, ROWS, XROWS - 4, EVEN_K, C, VEC, EXACT, SYM)
+    return a00, a01, a02, a03, a10, a11, a12, a13, b00, b01, b02, b03, b10, b11, b12, b13
+
+
+@triton.jit
+def _x_row_store(a0, a1, m, n, N, pid_k, M, out_ptr, part_ptr, bias, res_ptr, stride_om, stride_rm,
+                 HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, RESIDUAL: tl.constexpr):
+    """x row m's results of the program's weight rows (a0, a1: their accumulators) at output indices n:
+    float32 partials (SPLIT, summed by _splitk_reduce_kernel), or _epilogue_store's bias, rounding and
+    residual add."""
+    y = _rows_result(tl.sum(a0, axis=0), tl.sum(a1, axis=0), 0.0, 0.0)
+    mask = n < N
+    if SPLIT:
+        tl.store(part_ptr + (pid_k * M + m) * N + n, y, mask=mask)
+    else:
+        res = 0.0
+        if RESIDUAL:
+            res = tl.load(res_ptr + m * stride_rm + n, mask=mask, other=0.0).to(tl.float32)
+        _epilogue_store(y, mask, out_ptr + m * stride_om + n, bias, res, HAS_BIAS, RESIDUAL)
+
+
+@triton.jit
+def _x_rows_store(a00, a01, a02, a03, a10, a11, a12, a13, m0, n, N, pid_k, M, out_ptr, part_ptr, bias, res_ptr,
+                  stride_om, stride_rm, XROWS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+                  RESIDUAL: tl.constexpr):
+    """_x_row_store for x rows m0 .. m0 + XROWS - 1 (XROWS <= 4; a{r}{m}: weight row r, x row m0 + m)."""
+    _x_row_store(a00, a10, m0, n, N, pid_k, M, out_ptr, part_ptr, bias, res_ptr, stride_om, stride_rm, HAS_BIAS,
+                 SPLIT, RESIDUAL)
+    if XROWS > 1:
+        _x_row_store(a01, a11, m0 + 1, n, N, pid_k, M, out_ptr, part_ptr, bias, res_ptr, stride_om, stride_rm,
+                     HAS_BIAS, SPLIT, RESIDUAL)
+    if XROWS > 2:
+        _x_row_store(a02, a12, m0 + 2, n, N, pid_k, M, out_ptr, part_ptr, bias, res_ptr, stride_om, stride_rm,
+                     HAS_BIAS, SPLIT, RESIDUAL)
+    if XROWS > 3:
+        _x_row_store(a03, a13, m0 + 3, n, N, pid_k, M, out_ptr, part_ptr, bias, res_ptr, stride_om, stride_rm,
+                     HAS_BIAS, SPLIT, RESIDUAL)
+
+
+@triton.jit
+def _gemv_x_rows_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr, res_ptr, M, N, K, k_per_split,
+                        stride_xm, stride_wn, stride_sn, stride_om, stride_rm, FORMAT: tl.constexpr,
+                        HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr, GROUP_SIZE: tl.constexpr,
+                        ROWS: tl.constexpr, XROWS: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
+                        RESIDUAL: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr, EXACT: tl.constexpr,
+                        SYM: tl.constexpr):
+    """XROWS (1-8) rows of x against ROWS (1 or 2) rows of dense or w8 weights; program (row block, k split).
+    The decode GEMV for a few sequences: each weight is loaded and converted once and summed against every
+    row of x (XROWS FMAs a weight), where the tiled matmul dequantizes whole tiles for the tensor cores and
+    is bound by that. Row m of the result is what the single-row GEMV gives for x[m], bit for bit (the same
+    chunks, the same order). Its first step's weights load before the PDL wait, as there; no fused forms
+    but the bias and the residual add (the norm and the SiLUs run as their own kernels, as for the matmul)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    i0, i1, _, _, n = _gemv_rows(pid_n, N, ROWS, False)
+    r0, r1, _, _ = _row_ptrs(w_ptr, i0, i1, i1, i1, stride_wn)
+    s0, s1, _, _ = _row_ptrs(scale_ptr, i0, i1, i1, i1, stride_sn)
+    m0, m1, _, _ = _row_ptrs(min_ptr, i0, i1, i1, i1, stride_sn)
+    C: tl.constexpr = BLOCK_K // VEC
+    chunk = tl.arange(0, C) * VEC
+    col = chunk[:, None] + tl.arange(0, VEC)[None, :]
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    # a{r}{m}: weight row r against x row m; b{r}{m}: against x row 4 + m
+    a00 = tl.zeros([C], dtype=tl.float32)
+    a01, a02, a03, a10, a11, a12, a13 = a00, a00, a00, a00, a00, a00, a00
+    b00, b01, b02, b03, b10, b11, b12, b13 = a00, a00, a00, a00, a00, a00, a00, a00
+    dt = x_ptr.dtype.element_ty
+    k, km, grp, cm = _step_columns(k_lo, k_hi, col, chunk, GROUP_SIZE)
+    w0, sc0, mn0 = _load_row(r0, s0, m0, k, grp, km, cm, FORMAT, EVEN_K, SYM)
+    w1, sc1, mn1 = w0, sc0, mn0
+    if ROWS > 1:
+        w1, sc1, mn1 = _load_row(r1, s1, m1, k, grp, km, cm, FORMAT, EVEN_K, SYM)
+    bias = 0.0
+    if HAS_BIAS and not SPLIT:
+        bias = tl.load(bias_ptr + tl.minimum(n, N - 1)).to(tl.float32)
+    pdl_begin(PDL)
+    a00, a01, a02, a03, a10, a11, a12, a13, b00, b01, b02, b03, b10, b11, b12, b13 = _x_rows_step8(
+        a00, a01, a02, a03, a10, a11, a12, a13, b00, b01, b02, b03, b10, b11, b12, b13, w0, sc0, mn0, w1, sc1, mn1,
+        x_ptr, stride_xm, K, k, km, dt, FORMAT, ROWS, XROWS, EVEN_K, C, VEC, ASM, EXACT, SYM)
+    for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
+        k, km, grp, cm = _step_columns(k0, k_hi, col, chunk, GROUP_SIZE)
+        w0, sc0, mn0 = _load_row(r0, s0, m0, k, grp, km, cm, FORMAT, EVEN_K, SYM)
+        if ROWS > 1:
+            w1, sc1, mn1 = _load_row(r1, s1, m1, k, grp, km, cm, FORMAT, EVEN_K, SYM)
+        a00, a01, a02, a03, a10, a11, a12, a13, b00, b01, b02, b03, b10, b11, b12, b13 = _x_rows_step8(
+            a00, a01, a02, a03, a10, a11, a12, a13, b00, b01, b02, b03, b10, b11, b12, b13, w0, sc0, mn0, w1, sc1,
+            mn1, x_ptr, stride_xm, K, k, km, dt, FORMAT, ROWS, XROWS, EVEN_K, C, VEC, ASM, EXACT, SYM)
+    XA: tl.constexpr = 4 if XROWS > 4 else XROWS
+    _x_rows_store(a00, a01, a02, a03, a10, a11, a12, a13, 0, n, N, pid_k, M, out_ptr, part_ptr, bias, res_ptr,
+                  stride_om, stride_rm, XA, HAS_BIAS, SPLIT, RESIDUAL)
+    if XROWS > 4:
+        _x_rows_store(b00, b01, b02, b03, b10, b11, b12, b13, 4, n, N, pid_k, M, out_ptr, part_ptr, bias, res_ptr,
+                      stride_om, stride_rm, XROWS - 4, HAS_BIAS, SPLIT, RESIDUAL)
 
 
 @triton.jit
@@ -861,10 +1025,25 @@ def choose_config(m: int, n: int, k: int, fmt: str, device: torch.device,
         return LinearConfig("gemv", 1, rows, block_k, split, num_warps=4, num_stages=1)
     if fmt == "dense":
         return LinearConfig("torch")  # cuBLAS is at bandwidth for dense weights from M = 2 on
+    if fmt == "w8" and m <= (X_ROWS_GEMV_MAX_SHORT_K if k <= SHORT_K else X_ROWS_GEMV_MAX):
+        # a few sequences: the GEMV of several x rows (_gemv_x_rows_kernel), each weight converted once. H200,
+        # in-graph decode steps (docs/BENCHMARKS.md, session 23), tok/s against the swap matmul below: 2 rows
+        # SmolLM2 3,566 / 1,943, 1B 2,255 / 1,513, 8B 579 / 352; 4 rows SmolLM2 5,000 / 3,815 but 1B 2,552 /
+        # 3,000 and 8B 621 / 695 (a row of x costs it ~0.7 ms a step at 8B: it is bound by issuing FMAs)
+        block_k = 2048 if k > 1024 else 1024
+        return LinearConfig("gemv", 1, 2, block_k, _pick_split(-(-n // 2), -(-k // block_k), 2 * sms, 2),
+                            num_warps=4, num_stages=1)
     if m <= 64:
         # decode batches: still weight-bandwidth bound; split K to fill the SMs (w4 wants more
         # programs: its dequantization is the slower part)
         block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+        if fmt == "w8" and block_m == 16:
+            # the swap form (below) at 16 rows: same sweep, tok/s against the former 16 x 64 x 256 tiles,
+            # batch 8 / 16: SmolLM2 7,226 / 13,607 against 5,192 / 9,902, 1B 5,601 / 10,479 against 4,319 /
+            # 8,569, 8B 1,344 / 2,568 against 928 / 1,815. Short rows want narrower tiles and fewer programs
+            block_n, target = (64, 2 * sms) if k <= SHORT_K else (128, 4 * sms)
+            return LinearConfig("matmul", 16, block_n, 64, _pick_split(-(-n // block_n), -(-k // 64), target, 4),
+                                num_warps=4, num_stages=3, swap=True)
         if fmt == "w8" and block_m == 64:
             # H200 sweep over the 1B / 8B decode linears at M = 64 (docs/BENCHMARKS.md, session 16):
             # the weight tile as the dot's first operand, 128 x 64 tiles, 2 programs an SM, 0.73x the
@@ -904,6 +1083,10 @@ def _torch_linear(x: torch.Tensor, w: LinearWeight, out_dtype: torch.dtype) -> t
 
 
 FUSED_INPUT_MAX_WEIGHTS = 1 << 23
+X_ROWS_GEMV_MAX = 3  # rows of x up to which grouped w8 takes the GEMV of several x rows (choose_config)
+X_ROWS_GEMV_MAX_SHORT_K = 4  # the same where rows are short (SmolLM2: K <= SHORT_K)
+SHORT_K = 1536
+X_ROWS_PER_LAUNCH = 8  # rows of x one _gemv_x_rows_kernel launch takes (at most 8)
 
 
 def _gemv_counters(device: torch.device, rows: int, split: int, unused: torch.Tensor) -> torch.Tensor:
@@ -919,6 +1102,31 @@ def exact_gemv(x_dtype: torch.dtype, out_dtype: torch.dtype) -> bool:
     "magic + q" weights cost the dot about 2**-16 of its size: ~1/8 ulp of a bfloat16 result, up to 2
     ulps of a float16 one; so everything but bfloat16 in and out (the logits are float32) is exact."""
     return not (x_dtype == torch.bfloat16 and out_dtype == torch.bfloat16)
+
+
+def _gemv_x_rows(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bias: torch.Tensor,
+                 out: torch.Tensor, res: torch.Tensor | None, w: LinearWeight, fmt: int, sym: bool, exact: bool,
+                 cfg: LinearConfig) -> None:
+    """Launch _gemv_x_rows_kernel for 1-8 rows of x, and the split-K sum after it."""
+    m, k = x.shape
+    n = out.shape[1]
+    block_k = max(cfg.block_k, 32)
+    split = max(1, cfg.split)
+    per = -(-(-(-k // split)) // block_k) * block_k
+    split = -(-k // per)
+    part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
+    resid = res if res is not None else out
+    _gemv_x_rows_kernel[(triton.cdiv(n, cfg.block_n), split)](
+        x, data, scale, minimum, bias, out, part, resid, m, n, k, per, x.stride(0), data.stride(0),
+        scale.stride(0) if fmt else 0, out.stride(0), resid.stride(0), FORMAT=fmt, HAS_BIAS=w.bias is not None,
+        SPLIT=split > 1, EVEN_K=k % block_k == 0, GROUP_SIZE=max(w.group_size, 1), ROWS=cfg.block_n, XROWS=m,
+        BLOCK_K=block_k, VEC=16 // data.element_size(), RESIDUAL=res is not None, ASM=asm_conversions(x.device),
+        EXACT=exact, SYM=sym, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(x.device))
+    if split > 1:
+        block = 1024
+        _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
+            part, bias, resid, out, m * n, n, split, HAS_BIAS=w.bias is not None, RESIDUAL=res is not None,
+            BLOCK=block, **pdl_launch(x.device))
 
 
 def linear(x: torch.Tensor, w: LinearWeight, config: LinearConfig | None = None,
@@ -956,7 +1164,7 @@ def linear(x: torch.Tensor, w: LinearWeight, config: LinearConfig | None = None,
     # slower than the plain GEMV + silu_and_mul at 1B and 8B gate_up shapes (docs/BENCHMARKS.md)
     if fuse_input is None:
         fuse_input = n * k <= FUSED_INPUT_MAX_WEIGHTS
-    fuse_input = fuse_input and cfg.kind == "gemv"
+    fuse_input = fuse_input and cfg.kind == "gemv" and m == 1
     if not fuse_input and norm_weight is not None:
         x2, _ = rms_norm(x2, norm_weight, norm_eps)
         norm_weight = None
@@ -993,6 +1201,14 @@ def linear(x: torch.Tensor, w: LinearWeight, config: LinearConfig | None = None,
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
     if cfg.kind == "gemv" and cfg.block_n not in (1, 2, 4):
         raise ValueError(f"a GEMV program takes 1, 2 or 4 weight rows, not {cfg.block_n}")
+    if cfg.kind == "gemv" and m > 1:
+        if fmt == 2 or cfg.block_n > 2:
+            raise ValueError(f"a GEMV of {m} rows of x takes dense or w8 weights, 1 or 2 rows a program")
+        for m0 in range(0, m, X_ROWS_PER_LAUNCH):
+            rows = min(X_ROWS_PER_LAUNCH, m - m0)
+            _gemv_x_rows(x2[m0:m0 + rows], data, scale, minimum, bias, out[m0:m0 + rows],
+                         None if res2 is None else res2[m0:m0 + rows], w, fmt, sym, exact, cfg)
+        return out.reshape(*lead, out.shape[-1])
     rows_per_program = max(cfg.block_n, 2) if silu_mul_out else cfg.block_n  # a gate row and its up row
     # programs of the GEMV: each makes rows_per_program results, or half as many gated outputs
     programs = triton.cdiv(n // 2, rows_per_program // 2) if silu_mul_out else triton.cdiv(n, rows_per_program)

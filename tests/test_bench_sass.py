@@ -17,7 +17,7 @@ pytest.importorskip("triton")
 if os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("compiles for a GPU: not under the Triton interpreter", allow_module_level=True)
 
-from edged.bench.sass import compile_gemv, gemv_loop  # noqa: E402
+from edged.bench.sass import compile_gemv, gemv_loop, gemv_x_rows_loop  # noqa: E402
 
 
 @pytest.mark.parametrize("fmt,shape", [("w8", (28672, 4096)), ("w4", (4096, 14336))])
@@ -42,6 +42,20 @@ def test_every_fused_form_of_the_decode_gemv_compiles_for_hopper(fmt, forms) -> 
     returning a tensor or a float compiled nowhere but ran interpreted): compile each for sm_90 here."""
     compiled, _ = compile_gemv(fmt, 3072, 2048, **forms)
     assert compiled.asm["cubin"]
+
+
+@pytest.mark.parametrize("xrows", [2, 4, 8])
+def test_gemv_of_several_x_rows_converts_each_weight_once_without_shuffles(xrows) -> None:
+    """The GEMV of a few sequences (grouped w8, the 8B's qkv shape): no shared memory or shuffles in its
+    loop, one prmt a weight whatever the rows of x, one FMA a weight and row of x, and under 4 instructions
+    a weight and row of x (the x rows' conversions and sums shared by the program's 2 weight rows)."""
+    stats, cfg = gemv_x_rows_loop(6144, 4096, xrows)
+    assert cfg.kind == "gemv" and cfg.block_n == 2
+    assert stats.shared_or_shuffle == 0, stats.opcodes
+    weights = stats.weights_per_iteration
+    assert stats.opcodes["PRMT"] >= weights
+    assert stats.opcodes["FFMA"] >= 0.9 * weights * xrows
+    assert stats.per_weight / xrows < 4.0, (stats.per_weight, stats.opcodes.most_common(8))
 
 
 def test_bench_sass_prints_a_row_per_shape_and_format() -> None:

@@ -93,6 +93,43 @@ def test_linear_gemv_variants(fmt: str) -> None:
 
 
 @pytest.mark.parametrize("fmt", ["w8", "w8sym"])
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336), (4099, 2048)])
+def test_gemv_of_several_x_rows_at_real_shapes_gives_the_single_row_gemvs_bits(n: int, k: int, fmt: str) -> None:
+    """A few sequences of grouped w8 through the GEMV of several x rows (the launch choose_config gives 2 rows,
+    for 2-8 rows of x): each row's result the one-row GEMV's bit for bit, with the residual, and within
+    bfloat16's error of the reference."""
+    w = make_weight(fmt, n, k, torch.bfloat16, bias=False, seed=n + k)
+    cfg = tlin.choose_config(2, n, k, "w8", torch.device(DEV))
+    assert cfg.kind == "gemv", cfg
+    for m in (2, 3, 4, 5, 8):
+        x = torch.randn(m, k, device=DEV).bfloat16()
+        res = torch.randn(m, n, device=DEV).bfloat16()
+        got = tlin.linear(x, w, cfg, residual=res)
+        rows = torch.cat([tlin.linear(x[i:i + 1], w, cfg, residual=res[i:i + 1]) for i in range(m)])
+        assert torch.equal(got, rows), m
+        assert rel_err(got, ref_linear(x, w).float() + res.float()) < REL[torch.bfloat16], m
+
+
+@pytest.mark.parametrize("fmt", ["w8", "w8sym", "w4"])
+@pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (6144, 4096), (4096, 14336)])
+def test_decode_batches_through_the_launch_rule_match_the_reference(n: int, k: int, fmt: str) -> None:
+    """Decode batches (M = 2-64) at SmolLM2's short rows and the 8B's long ones, through whatever form
+    choose_config picks for each M (the GEMV of several x rows, the swap matmul, the tiled one), with the
+    residual: within bfloat16's error of the reference."""
+    w = make_weight(fmt, n, k, torch.bfloat16, bias=False, seed=n + k + 1)
+    kinds = set()
+    for m in (2, 3, 4, 5, 8, 16, 17, 32, 64):
+        cfg = tlin.choose_config(m, n, k, w.format, torch.device(DEV))
+        kinds.add((cfg.kind, cfg.swap))
+        x = torch.randn(m, k, device=DEV).bfloat16()
+        res = torch.randn(m, n, device=DEV).bfloat16()
+        got = tlin.linear(x, w, residual=res)
+        assert rel_err(got, ref_linear(x, w).float() + res.float()) < REL[torch.bfloat16], (m, cfg)
+    if fmt != "w4":
+        assert kinds >= {("gemv", False), ("matmul", True)}, kinds
+
+
+@pytest.mark.parametrize("fmt", ["w8", "w8sym"])
 def test_linear_matmul_variants(fmt: str) -> None:
     """Every form of the batched (M = 2-64) grouped w8 matmul the sweeps consider, on a ragged N, with K
     splits, fused residual and bias: each equal to the reference within bfloat16's error."""
@@ -102,7 +139,8 @@ def test_linear_matmul_variants(fmt: str) -> None:
         res = torch.randn(m, 4099, device=DEV).bfloat16()
         want = ref_linear(x, w)
         for swap, prefetch, block_n, block_k, split in ((True, False, 128, 64, 3), (True, True, 128, 64, 1),
-                                                        (False, True, 64, 128, 5), (False, False, 64, 128, 1)):
+                                                        (True, False, 64, 64, 2), (False, True, 64, 128, 5),
+                                                        (False, False, 64, 128, 1)):
             cfg = tlin.LinearConfig("matmul", 16 if m <= 16 else 64, block_n, block_k, split, swap=swap,
                                     prefetch=prefetch)
             assert rel_err(tlin.linear(x, w, cfg), want) < REL[torch.bfloat16], (m, cfg)

@@ -133,23 +133,56 @@ def compile_gemv(fmt: str, n: int, k: int, arch: int = 90, **forms: bool):
     return compiled, cfg
 
 
+def compile_gemv_x_rows(n: int, k: int, xrows: int, arch: int = 90, sym: bool = True):
+    """Triton's compiled GEMV of several x rows (bf16) against an [n, k] w8 weight, as `linear` launches it
+    on an H200 (its launch rule for 2 sequences: the kernel takes 1-8 rows of x a launch with that config)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    cfg = tlin.choose_config(2, n, k, "w8", torch.device("cuda"), sm_count=H200_SMS)
+    per = -(-(-(-k // cfg.split)) // cfg.block_k) * cfg.block_k
+    constexprs = dict(FORMAT=1, HAS_BIAS=False, SPLIT=cfg.split > 1, EVEN_K=k % cfg.block_k == 0, GROUP_SIZE=32,
+                      ROWS=cfg.block_n, XROWS=xrows, BLOCK_K=cfg.block_k, VEC=16, RESIDUAL=True, PDL=arch >= 90,
+                      ASM=True, EXACT=False, SYM=sym)
+    pointers = {"x_ptr": "*bf16", "w_ptr": "*u8", "scale_ptr": "*fp16", "min_ptr": "*fp16", "bias_ptr": "*bf16",
+                "out_ptr": "*bf16", "part_ptr": "*fp32", "res_ptr": "*bf16"}
+    ints = {"M": xrows, "N": n, "K": k, "k_per_split": per, "stride_xm": k, "stride_wn": k, "stride_sn": k // 32,
+            "stride_om": n, "stride_rm": n}
+    sig, consts, attrs = _signature(tlin._gemv_x_rows_kernel, pointers, ints, constexprs)
+    compiled = triton.compile(ASTSource(fn=tlin._gemv_x_rows_kernel, signature=sig, constexprs=consts, attrs=attrs),
+                              target=GPUTarget("cuda", arch, 32),
+                              options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
+                                       "enable_fp_fusion": True})
+    return compiled, cfg
+
+
 def gemv_loop(fmt: str, n: int, k: int, arch: int = 90) -> tuple[LoopStats, tlin.LinearConfig]:
     """Compile the bf16 decode GEMV of an [n, k] w8 or w4 weight as `linear` launches it on an H200 and
     count its K loop."""
-    import triton
-
     compiled, cfg = compile_gemv(fmt, n, k, arch)
     step_weights = _step(fmt, cfg) * (2 if fmt == "w4" else 1)
+    return _loop_stats(compiled, cfg.block_n * step_weights / (32 * cfg.num_warps)), cfg
+
+
+def gemv_x_rows_loop(n: int, k: int, xrows: int, arch: int = 90) -> tuple[LoopStats, tlin.LinearConfig]:
+    """compile_gemv_x_rows' K loop counted; weights_per_iteration counts each weight once, however many
+    rows of x it meets."""
+    compiled, cfg = compile_gemv_x_rows(n, k, xrows, arch)
+    return _loop_stats(compiled, cfg.block_n * cfg.block_k / (32 * cfg.num_warps)), cfg
+
+
+def _loop_stats(compiled, weights_per_iteration: float) -> LoopStats:
+    """The longest loop of a compiled kernel's SASS (nvdisasm, shipped with Triton), counted."""
+    import triton
+
     nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])
         cubin.flush()
         sass = subprocess.run([str(nvdisasm), "-c", cubin.name], capture_output=True, text=True, check=True).stdout
     body = longest_loop(sass)
-    threads = 32 * cfg.num_warps
-    stats = LoopStats(len(body), collections.Counter(opcode(t) for t in body),
-                      cfg.block_n * step_weights / threads)
-    return stats, cfg
+    return LoopStats(len(body), collections.Counter(opcode(t) for t in body), weights_per_iteration)
 
 
 def run_sass_bench(args: argparse.Namespace) -> int:
