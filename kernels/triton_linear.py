@@ -1197,8 +1197,6 @@ def linear(x: torch.Tensor, w: LinearWeight, config: LinearConfig | None = None,
     nw = norm_weight.to(x.dtype).contiguous() if norm_weight is not None else out
     fused = dict(NORM=norm_weight is not None, SILU=silu_mul, GATED=silu_mul_out)
     exact = exact_gemv(x.dtype, out_dtype)
-    split = max(1, cfg.split)
-    part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
     if cfg.kind == "gemv" and cfg.block_n not in (1, 2, 4):
         raise ValueError(f"a GEMV program takes 1, 2 or 4 weight rows, not {cfg.block_n}")
     if cfg.kind == "gemv" and m > 1:
@@ -1209,6 +1207,8 @@ def linear(x: torch.Tensor, w: LinearWeight, config: LinearConfig | None = None,
             _gemv_x_rows(x2[m0:m0 + rows], data, scale, minimum, bias, out[m0:m0 + rows],
                          None if res2 is None else res2[m0:m0 + rows], w, fmt, sym, exact, cfg)
         return out.reshape(*lead, out.shape[-1])
+    split = max(1, cfg.split)
+    part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
     rows_per_program = max(cfg.block_n, 2) if silu_mul_out else cfg.block_n  # a gate row and its up row
     # programs of the GEMV: each makes rows_per_program results, or half as many gated outputs
     programs = triton.cdiv(n // 2, rows_per_program // 2) if silu_mul_out else triton.cdiv(n, rows_per_program)
