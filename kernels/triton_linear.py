@@ -12,10 +12,13 @@ Paths, by the number of rows M of x:
   GEMVs also take the RMSNorm or the SiLU of their input in their prologue, or (a [gate | up] weight)
   make silu(gate) * up in their epilogue, each program taking gate rows and the matching up rows;
   every GEMV can add the residual in its epilogue.
-- M > 1, w8 / w4: a tiled tl.dot kernel with dequantization in the loop, split over K while the
-  output tiles alone cannot fill the GPU (decode batches); grouped w8 batches of 33-64 rows take the
-  weight tile as the dot's first operand (_matmul_kernel's SWAP). Dense weights from M = 2 on go to
-  cuBLAS.
+- M = 2-3 (4 where rows are short), grouped w8: the GEMV of several x rows (_gemv_x_rows_kernel, up to
+  8 a launch), each weight converted once and summed against every row of x, each row's result the
+  one-row GEMV's bit for bit.
+- Otherwise M > 1, w8 / w4: a tiled tl.dot kernel with dequantization in the loop, split over K while
+  the output tiles alone cannot fill the GPU (decode batches); grouped w8 batches of 4-16 and 33-128
+  rows take the weight tile as the dot's first operand (_matmul_kernel's SWAP). Dense weights from
+  M = 2 on go to cuBLAS.
   Both dequantize their weight tile in float32 (q * scale + minimum per group) and round it to the
   activation dtype for the dot; a w8 row that is one group (in_features not a multiple of 32) dots
   the raw q (exact in any dtype) and applies scale * dot + minimum * sum(x) after the K loop.
