@@ -16,7 +16,7 @@ Paths, by the number of rows M of x:
   8 a launch), each weight converted once and summed against every row of x, each row's result the
   one-row GEMV's bit for bit.
 - Otherwise M > 1, w8 / w4: a tiled tl.dot kernel with dequantization in the loop, split over K while
-  the output tiles alone cannot fill the GPU (decode batches); grouped w8 batches of 4-16 and 33-128
+  the output tiles alone cannot fill the GPU (decode batches); grouped w8 batches of 4-128
   rows take the weight tile as the dot's first operand (_matmul_kernel's SWAP). Dense weights from
   M = 2 on go to cuBLAS.
   Both dequantize their weight tile in float32 (q * scale + minimum per group) and round it to the
@@ -1040,12 +1040,14 @@ def choose_config(m: int, n: int, k: int, fmt: str, device: torch.device,
         # decode batches: still weight-bandwidth bound; split K to fill the SMs (w4 wants more
         # programs: its dequantization is the slower part)
         block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-        if fmt == "w8" and block_m == 16:
-            # the swap form (below) at 16 rows: same sweep, tok/s against the former 16 x 64 x 256 tiles,
-            # batch 8 / 16: SmolLM2 7,226 / 13,607 against 5,192 / 9,902, 1B 5,601 / 10,479 against 4,319 /
-            # 8,569, 8B 1,344 / 2,568 against 928 / 1,815. Short rows want narrower tiles and fewer programs
+        if fmt == "w8" and block_m <= 32:
+            # the swap form (below) at 16 and 32 rows: same sweep, tok/s against the former 16 x 64 x 256 and
+            # 32 x 64 x 128 tiles, batch 8 / 16 / 32: SmolLM2 7,226 / 13,607 / 21,459 against 5,192 / 9,902 /
+            # 21,072, 1B 5,601 / 10,479 / 18,739 against 4,319 / 8,569 / 15,095, 8B 1,344 / 2,568 / 4,646
+            # against 928 / 1,815 / 3,260. Short rows want narrower tiles and fewer programs
             block_n, target = (64, 2 * sms) if k <= SHORT_K else (128, 4 * sms)
-            return LinearConfig("matmul", 16, block_n, 64, _pick_split(-(-n // block_n), -(-k // 64), target, 4),
+            return LinearConfig("matmul", block_m, block_n, 64,
+                                _pick_split(-(-m // block_m) * -(-n // block_n), -(-k // 64), target, 4),
                                 num_warps=4, num_stages=3, swap=True)
         if fmt == "w8" and block_m == 64:
             # H200 sweep over the 1B / 8B decode linears at M = 64 (docs/BENCHMARKS.md, session 16):
@@ -1054,13 +1056,10 @@ def choose_config(m: int, n: int, k: int, fmt: str, device: torch.device,
             tiles = -(-n // 128)
             return LinearConfig("matmul", 64, 128, 64, _pick_split(tiles, -(-k // 64), 2 * sms, 4), num_warps=4,
                                 num_stages=3, swap=True)
-        if fmt == "w4":
-            block_n, block_k, target = 128, (128 if block_m == 16 else 64), 2 * sms
-        else:
-            block_n, block_k, target = 64, (256 if block_m == 16 else 128), sms
+        block_n, block_k = 128, (128 if block_m == 16 else 64)  # w4
         tiles = -(-m // block_m) * -(-n // block_n)
-        split = _pick_split(tiles, -(-k // block_k), target, 4)
-        return LinearConfig("matmul", block_m, block_n, block_k, split, num_warps=4, num_stages=3)
+        return LinearConfig("matmul", block_m, block_n, block_k, _pick_split(tiles, -(-k // block_k), 2 * sms, 4),
+                            num_warps=4, num_stages=3)
     # prompt steps: split K too. Without it SmolLM2's 128-token step had 10-48 programs a linear for 132
     # SMs; H200, a prompt-step graph of 128 / 256 tokens (docs/BENCHMARKS.md, session 17): SmolLM2 w8
     # 2.92 / 3.62 -> 1.52 / 1.92 ms, 1B w8 7.20 / 7.57 -> 2.83 / 3.83 ms, 1B w4 6.77 / 8.76 -> 3.20 / 4.89 ms
