@@ -325,6 +325,15 @@ def _x_step(x_ptr, nwv, K, k, km, inv, dt: tl.constexpr, NORM: tl.constexpr, SIL
 
 
 @triton.jit
+def _split_columns(pid_k, k_per_split, K, C: tl.constexpr, VEC: tl.constexpr):
+    """A GEMV program's K split: each chunk's first column, a step's columns [C, VEC] from 0, and the
+    split's columns [k_lo, k_hi) (splits are never empty: k_lo < k_hi)."""
+    chunk = tl.arange(0, C) * VEC
+    k_lo = pid_k * k_per_split
+    return chunk, chunk[:, None] + tl.arange(0, VEC)[None, :], k_lo, tl.minimum(k_lo + k_per_split, K)
+
+
+@triton.jit
 def _step_columns(k0, k_hi, col, chunk, GROUP_SIZE: tl.constexpr):
     """A K step from column k0: its columns [chunks, VEC] and their mask, each chunk's group and mask."""
     k = k0 + col
@@ -360,10 +369,7 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr, 
     s0, s1, s2, s3 = _row_ptrs(scale_ptr, i0, i1, i2, i3, stride_sn)
     m0, m1, m2, m3 = _row_ptrs(min_ptr, i0, i1, i2, i3, stride_sn)
     C: tl.constexpr = BLOCK_K // VEC
-    chunk = tl.arange(0, C) * VEC
-    col = chunk[:, None] + tl.arange(0, VEC)[None, :]
-    k_lo = pid_k * k_per_split
-    k_hi = tl.minimum(k_lo + k_per_split, K)  # splits are never empty: k_lo < k_hi
+    chunk, col, k_lo, k_hi = _split_columns(pid_k, k_per_split, K, C, VEC)
     a0 = tl.zeros([C], dtype=tl.float32)
     a1 = tl.zeros([C], dtype=tl.float32)
     a2 = tl.zeros([C], dtype=tl.float32)
@@ -517,10 +523,7 @@ def _gemv_x_rows_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, par
     s0, s1, _, _ = _row_ptrs(scale_ptr, i0, i1, i1, i1, stride_sn)
     m0, m1, _, _ = _row_ptrs(min_ptr, i0, i1, i1, i1, stride_sn)
     C: tl.constexpr = BLOCK_K // VEC
-    chunk = tl.arange(0, C) * VEC
-    col = chunk[:, None] + tl.arange(0, VEC)[None, :]
-    k_lo = pid_k * k_per_split
-    k_hi = tl.minimum(k_lo + k_per_split, K)
+    chunk, col, k_lo, k_hi = _split_columns(pid_k, k_per_split, K, C, VEC)
     # a{r}{m}: weight row r against x row m; b{r}{m}: against x row 4 + m
     a00 = tl.zeros([C], dtype=tl.float32)
     a01, a02, a03, a10, a11, a12, a13 = a00, a00, a00, a00, a00, a00, a00
