@@ -127,6 +127,17 @@ def _row_ptrs(base, i0, i1, i2, i3, stride):
 
 
 @triton.jit
+def _program_rows(pid_n, N, w_ptr, scale_ptr, min_ptr, stride_wn, stride_sn, ROWS: tl.constexpr, GATED: tl.constexpr):
+    """GEMV program pid_n's output indices (_gemv_rows) and pointers to its weight, scale and minimum rows
+    (slots past ROWS point at valid rows and go unused)."""
+    i0, i1, i2, i3, n = _gemv_rows(pid_n, N, ROWS, GATED)
+    r0, r1, r2, r3 = _row_ptrs(w_ptr, i0, i1, i2, i3, stride_wn)
+    s0, s1, s2, s3 = _row_ptrs(scale_ptr, i0, i1, i2, i3, stride_sn)
+    m0, m1, m2, m3 = _row_ptrs(min_ptr, i0, i1, i2, i3, stride_sn)
+    return n, r0, r1, r2, r3, s0, s1, s2, s3, m0, m1, m2, m3
+
+
+@triton.jit
 def _gated_epilogue(y, idx, N, pid_n, bias_ptr, out_ptr, HAS_BIAS: tl.constexpr, ROWS: tl.constexpr):
     """silu(gate) * up of the program's ROWS // 2 outputs from its [gates, ups] row results: each rounded
     to the output dtype first (linear's output), as silu_and_mul reads them."""
@@ -364,10 +375,8 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr, 
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     # rows past N are clamped to valid rows (valid loads) and masked at the store
-    i0, i1, i2, i3, n = _gemv_rows(pid_n, N, ROWS, GATED)
-    r0, r1, r2, r3 = _row_ptrs(w_ptr, i0, i1, i2, i3, stride_wn)
-    s0, s1, s2, s3 = _row_ptrs(scale_ptr, i0, i1, i2, i3, stride_sn)
-    m0, m1, m2, m3 = _row_ptrs(min_ptr, i0, i1, i2, i3, stride_sn)
+    n, r0, r1, r2, r3, s0, s1, s2, s3, m0, m1, m2, m3 = _program_rows(pid_n, N, w_ptr, scale_ptr, min_ptr, stride_wn,
+                                                                       stride_sn, ROWS, GATED)
     C: tl.constexpr = BLOCK_K // VEC
     chunk, col, k_lo, k_hi = _split_columns(pid_k, k_per_split, K, C, VEC)
     a0 = tl.zeros([C], dtype=tl.float32)
@@ -415,34 +424,37 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr, 
 
 
 @triton.jit
+def _x_row_sums(a0, a1, p00, p01, p02, p03, p10, p11, p12, p13, sc0, mn0, sc1, mn1, x_ptr, K, k, km,
+                dt: tl.constexpr, FORMAT: tl.constexpr, ROWS: tl.constexpr, EVEN_K: tl.constexpr, C: tl.constexpr,
+                VEC: tl.constexpr, EXACT: tl.constexpr, SYM: tl.constexpr):
+    """One row of x (at x_ptr) at one step, loaded once, against the program's converted weight rows: a0 and
+    a1 (weight rows 0 and 1) accumulate in the single-row GEMV's arithmetic."""
+    x0, x1, x2, x3, xs, mxs = _x_step(x_ptr, 0.0, K, k, km, 1.0, dt, False, False, EVEN_K, C, VEC)
+    a0 = _chunk_sums(a0, p00, p01, p02, p03, sc0, mn0, x0, x1, x2, x3, xs, mxs, FORMAT, EXACT, SYM)
+    if ROWS > 1:
+        a1 = _chunk_sums(a1, p10, p11, p12, p13, sc1, mn1, x0, x1, x2, x3, xs, mxs, FORMAT, EXACT, SYM)
+    return a0, a1
+
+
+@triton.jit
 def _x_rows_step(a00, a01, a02, a03, a10, a11, a12, a13, p00, p01, p02, p03, p10, p11, p12, p13, sc0, mn0, sc1, mn1,
                  x_ptr, stride_xm, K, k, km, dt: tl.constexpr, FORMAT: tl.constexpr, ROWS: tl.constexpr,
                  XROWS: tl.constexpr, EVEN_K: tl.constexpr, C: tl.constexpr, VEC: tl.constexpr,
                  EXACT: tl.constexpr, SYM: tl.constexpr):
     """One K step of up to 4 rows of x (XROWS, from x_ptr) against the program's converted weight rows
-    (p0*: row 0's _weight_floats, p1*: row 1's when ROWS == 2): each x row loaded once and summed against
-    them; a{r}{m} accumulates weight row r against x row m, in the single-row GEMV's arithmetic."""
-    x0, x1, x2, x3, xs, mxs = _x_step(x_ptr, 0.0, K, k, km, 1.0, dt, False, False, EVEN_K, C, VEC)
-    a00 = _chunk_sums(a00, p00, p01, p02, p03, sc0, mn0, x0, x1, x2, x3, xs, mxs, FORMAT, EXACT, SYM)
-    if ROWS > 1:
-        a10 = _chunk_sums(a10, p10, p11, p12, p13, sc1, mn1, x0, x1, x2, x3, xs, mxs, FORMAT, EXACT, SYM)
+    (p0*: row 0's _weight_floats, p1*: row 1's when ROWS == 2) by _x_row_sums; a{r}{m} accumulates weight
+    row r against x row m."""
+    a00, a10 = _x_row_sums(a00, a10, p00, p01, p02, p03, p10, p11, p12, p13, sc0, mn0, sc1, mn1, x_ptr, K, k, km,
+                           dt, FORMAT, ROWS, EVEN_K, C, VEC, EXACT, SYM)
     if XROWS > 1:
-        x0, x1, x2, x3, xs, mxs = _x_step(x_ptr + stride_xm, 0.0, K, k, km, 1.0, dt, False, False, EVEN_K, C, VEC)
-        a01 = _chunk_sums(a01, p00, p01, p02, p03, sc0, mn0, x0, x1, x2, x3, xs, mxs, FORMAT, EXACT, SYM)
-        if ROWS > 1:
-            a11 = _chunk_sums(a11, p10, p11, p12, p13, sc1, mn1, x0, x1, x2, x3, xs, mxs, FORMAT, EXACT, SYM)
+        a01, a11 = _x_row_sums(a01, a11, p00, p01, p02, p03, p10, p11, p12, p13, sc0, mn0, sc1, mn1,
+                               x_ptr + stride_xm, K, k, km, dt, FORMAT, ROWS, EVEN_K, C, VEC, EXACT, SYM)
     if XROWS > 2:
-        x0, x1, x2, x3, xs, mxs = _x_step(x_ptr + 2 * stride_xm, 0.0, K, k, km, 1.0, dt, False, False, EVEN_K, C,
-                                          VEC)
-        a02 = _chunk_sums(a02, p00, p01, p02, p03, sc0, mn0, x0, x1, x2, x3, xs, mxs, FORMAT, EXACT, SYM)
-        if ROWS > 1:
-            a12 = _chunk_sums(a12, p10, p11, p12, p13, sc1, mn1, x0, x1, x2, x3, xs, mxs, FORMAT, EXACT, SYM)
+        a02, a12 = _x_row_sums(a02, a12, p00, p01, p02, p03, p10, p11, p12, p13, sc0, mn0, sc1, mn1,
+                               x_ptr + 2 * stride_xm, K, k, km, dt, FORMAT, ROWS, EVEN_K, C, VEC, EXACT, SYM)
     if XROWS > 3:
-        x0, x1, x2, x3, xs, mxs = _x_step(x_ptr + 3 * stride_xm, 0.0, K, k, km, 1.0, dt, False, False, EVEN_K, C,
-                                          VEC)
-        a03 = _chunk_sums(a03, p00, p01, p02, p03, sc0, mn0, x0, x1, x2, x3, xs, mxs, FORMAT, EXACT, SYM)
-        if ROWS > 1:
-            a13 = _chunk_sums(a13, p10, p11, p12, p13, sc1, mn1, x0, x1, x2, x3, xs, mxs, FORMAT, EXACT, SYM)
+        a03, a13 = _x_row_sums(a03, a13, p00, p01, p02, p03, p10, p11, p12, p13, sc0, mn0, sc1, mn1,
+                               x_ptr + 3 * stride_xm, K, k, km, dt, FORMAT, ROWS, EVEN_K, C, VEC, EXACT, SYM)
     return a00, a01, a02, a03, a10, a11, a12, a13
 
 
@@ -518,10 +530,8 @@ def _gemv_x_rows_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, par
     but the bias and the residual add (the norm and the SiLUs run as their own kernels, as for the matmul)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    i0, i1, _, _, n = _gemv_rows(pid_n, N, ROWS, False)
-    r0, r1, _, _ = _row_ptrs(w_ptr, i0, i1, i1, i1, stride_wn)
-    s0, s1, _, _ = _row_ptrs(scale_ptr, i0, i1, i1, i1, stride_sn)
-    m0, m1, _, _ = _row_ptrs(min_ptr, i0, i1, i1, i1, stride_sn)
+    n, r0, r1, _, _, s0, s1, _, _, m0, m1, _, _ = _program_rows(pid_n, N, w_ptr, scale_ptr, min_ptr, stride_wn,
+                                                                 stride_sn, ROWS, False)
     C: tl.constexpr = BLOCK_K // VEC
     chunk, col, k_lo, k_hi = _split_columns(pid_k, k_per_split, K, C, VEC)
     # a{r}{m}: weight row r against x row m; b{r}{m}: against x row 4 + m
@@ -688,10 +698,8 @@ def _gemv_w4_kernel(xw_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_p
     _gemv_kernel (nw_ptr: the norm weight as words too; SILU: gate words, then KB up words; GATED)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    i0, i1, i2, i3, n = _gemv_rows(pid_n, N, ROWS, GATED)
-    r0, r1, r2, r3 = _row_ptrs(w_ptr, i0, i1, i2, i3, stride_wn)
-    s0, s1, s2, s3 = _row_ptrs(scale_ptr, i0, i1, i2, i3, stride_sn)
-    m0, m1, m2, m3 = _row_ptrs(min_ptr, i0, i1, i2, i3, stride_sn)
+    n, r0, r1, r2, r3, s0, s1, s2, s3, m0, m1, m2, m3 = _program_rows(pid_n, N, w_ptr, scale_ptr, min_ptr, stride_wn,
+                                                                       stride_sn, ROWS, GATED)
     C: tl.constexpr = BLOCK_KB // 16
     chunk = tl.arange(0, C) * 16
     v = tl.arange(0, 16)
@@ -1109,6 +1117,22 @@ def exact_gemv(x_dtype: torch.dtype, out_dtype: torch.dtype) -> bool:
     return not (x_dtype == torch.bfloat16 and out_dtype == torch.bfloat16)
 
 
+def _k_split(row: int, step: int, split: int) -> tuple[int, int]:
+    """A row of `row` columns (w4: bytes) cut into at most `split` pieces of whole steps: (a piece's
+    columns, the pieces)."""
+    per = -(-(-(-row // max(1, split))) // step) * step
+    return per, -(-row // per)
+
+
+def _sum_splits(part: torch.Tensor, bias: torch.Tensor, res: torch.Tensor, out: torch.Tensor, split: int,
+                has_bias: bool, residual: bool) -> None:
+    """out = the split-K partials [split, m, n] summed in split order, through the bias and residual."""
+    m, n = out.shape
+    block = 1024
+    _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](part, bias, res, out, m * n, n, split, HAS_BIAS=has_bias,
+                                                        RESIDUAL=residual, BLOCK=block, **pdl_launch(out.device))
+
+
 def _gemv_x_rows(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bias: torch.Tensor,
                  out: torch.Tensor, res: torch.Tensor | None, w: LinearWeight, fmt: int, sym: bool, exact: bool,
                  cfg: LinearConfig) -> None:
@@ -1116,9 +1140,7 @@ def _gemv_x_rows(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, minim
     m, k = x.shape
     n = out.shape[1]
     block_k = max(cfg.block_k, 32)
-    split = max(1, cfg.split)
-    per = -(-(-(-k // split)) // block_k) * block_k
-    split = -(-k // per)
+    per, split = _k_split(k, block_k, cfg.split)
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
     resid = res if res is not None else out
     _gemv_x_rows_kernel[(triton.cdiv(n, cfg.block_n), split)](
@@ -1128,10 +1150,7 @@ def _gemv_x_rows(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, minim
         BLOCK_K=block_k, VEC=16 // data.element_size(), RESIDUAL=res is not None, ASM=asm_conversions(x.device),
         EXACT=exact, SYM=sym, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(x.device))
     if split > 1:
-        block = 1024
-        _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
-            part, bias, resid, out, m * n, n, split, HAS_BIAS=w.bias is not None, RESIDUAL=res is not None,
-            BLOCK=block, **pdl_launch(x.device))
+        _sum_splits(part, bias, resid, out, split, w.bias is not None, res is not None)
 
 
 def linear(x: torch.Tensor, w: LinearWeight, config: LinearConfig | None = None,
@@ -1220,9 +1239,7 @@ def linear(x: torch.Tensor, w: LinearWeight, config: LinearConfig | None = None,
     if fmt == 2 and cfg.kind == "gemv":
         kb = k // 2  # bytes a row; a whole number of 16-byte chunks since groups are >= 32 weights
         block_kb = max(16, cfg.block_k // 2)
-        per = -(-kb // split)
-        per = -(-per // block_kb) * block_kb
-        split = -(-kb // per)
+        per, split = _k_split(kb, block_kb, split)
         _gemv_w4_kernel[(programs, split)](
             _x_words(x2), data, scale, minimum, bias, out, part, _gemv_counters(x.device, programs, split, out),
             _x_words(nw) if norm_weight is not None else out, res, norm_eps, n, kb, per, split, data.stride(0),
@@ -1233,9 +1250,7 @@ def linear(x: torch.Tensor, w: LinearWeight, config: LinearConfig | None = None,
     else:
         block_k = max(cfg.block_k, 32)
         row_group = fmt == 1 and w.group_size == k
-        per = -(-k // split)
-        per = -(-per // block_k) * block_k
-        split = -(-k // per)
+        per, split = _k_split(k, block_k, split)
         even_k = k % block_k == 0
         if cfg.kind == "gemv":
             _gemv_kernel[(programs, split)](
@@ -1256,8 +1271,5 @@ def linear(x: torch.Tensor, w: LinearWeight, config: LinearConfig | None = None,
                 SWAP=cfg.swap and fmt == 1 and not row_group, PREFETCH=cfg.prefetch and fmt == 1 and not row_group,
                 SYM=sym, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(x.device))
             if split > 1:
-                block = 1024
-                _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
-                    part, bias, res, out, m * n, n, split, HAS_BIAS=w.bias is not None, RESIDUAL=res2 is not None,
-                    BLOCK=block, **pdl_launch(x.device))
+                _sum_splits(part, bias, res, out, split, w.bias is not None, res2 is not None)
     return out.reshape(*lead, out.shape[-1])

@@ -120,7 +120,7 @@ def compile_gemv(fmt: str, n: int, k: int, arch: int = 90, **forms: bool):
         pointers = {"x_ptr": "*bf16", "w_ptr": "*u8", "nw_ptr": "*bf16"}
     else:
         raise ValueError(f"edged bench sass counts the w8 and w4 GEMVs, not {fmt!r}")
-    per = -(-(-(-row // cfg.split)) // step) * step  # as linear() splits the row
+    per, _ = tlin._k_split(row, step, cfg.split)  # as linear() splits the row
     ints = {"N": n, "K": k, "KB": row, "k_per_split": per, "kb_per_split": per, "num_splits": cfg.split,
             "stride_wn": row, "stride_sn": k // 32}
     pointers.update({"scale_ptr": "*fp16", "min_ptr": "*fp16", "bias_ptr": "*bf16", "out_ptr": "*bf16",
@@ -141,7 +141,7 @@ def compile_gemv_x_rows(n: int, k: int, xrows: int, arch: int = 90, sym: bool = 
     from triton.compiler import ASTSource
 
     cfg = tlin.choose_config(2, n, k, "w8", torch.device("cuda"), sm_count=H200_SMS)
-    per = -(-(-(-k // cfg.split)) // cfg.block_k) * cfg.block_k
+    per, _ = tlin._k_split(k, cfg.block_k, cfg.split)
     constexprs = dict(FORMAT=1, HAS_BIAS=False, SPLIT=cfg.split > 1, EVEN_K=k % cfg.block_k == 0, GROUP_SIZE=32,
                       ROWS=cfg.block_n, XROWS=xrows, BLOCK_K=cfg.block_k, VEC=16, RESIDUAL=True, PDL=arch >= 90,
                       ASM=True, EXACT=False, SYM=sym)
