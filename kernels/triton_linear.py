@@ -797,7 +797,8 @@ def _matmul_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr
                    FORMAT: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
                    GROUP_SIZE: tl.constexpr, ROW_GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, RESIDUAL: tl.constexpr,
-                   SWAP: tl.constexpr, PREFETCH: tl.constexpr, SYM: tl.constexpr, PDL: tl.constexpr):
+                   SWAP: tl.constexpr, PREFETCH: tl.constexpr, SYM: tl.constexpr, PDL: tl.constexpr,
+                   ASM: tl.constexpr):
     """x [M, K] @ W^T with W dequantized per tile to x's dtype; program (output tile, k split).
     Grouped w8: tiles of 32-weight chunks, one scale and minimum each (SYM: w = (q - 128) * scale). SWAP: the dot is
     W_tile @ x_tile^T, so the dequantized weights (already in registers) are its first operand, which
@@ -902,8 +903,11 @@ def _matmul_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr
                 m3 = -128.0 * s3
             else:
                 m3 = mn.to(tl.float32)[:, :, None]
-            bi = b.to(tl.int32)
-            wt = tl.reshape((small_uint_to_f32(bi) * s3 + m3).to(dt), (BLOCK_N, BLOCK_K))
+            if ASM:  # q exactly: the float 32768 + q that one prmt makes of a byte, less 32768
+                q = magic_u8_f32_asm(b) - 32768.0
+            else:
+                q = small_uint_to_f32(b.to(tl.int32))
+            wt = tl.reshape((q * s3 + m3).to(dt), (BLOCK_N, BLOCK_K))
             if SWAP:
                 acc += tl.dot(wt, xt)
             else:
@@ -977,7 +981,8 @@ def _x_words(x: torch.Tensor) -> torch.Tensor:
 class LinearConfig:
     """Launch parameters. GEMV: block_n (1, 2 or 4) weight rows per program, block_k weights a step.
     Matmul: block_m x block_n tiles over block_k. split: K splits. swap, prefetch: the grouped w8
-    matmul's forms (_matmul_kernel); other weights ignore them."""
+    matmul's forms (_matmul_kernel); other weights ignore them. asm_dequant: the grouped w8 matmul's bytes
+    to floats by inline PTX (on a GPU that takes it; the interpreter never does)."""
 
     kind: str  # "gemv" | "matmul" | "torch"
     block_m: int = 16
@@ -988,6 +993,7 @@ class LinearConfig:
     num_stages: int = 2
     swap: bool = False
     prefetch: bool = False
+    asm_dequant: bool = False
 
 
 _SM_COUNT: dict[int, int] = {}
@@ -1269,7 +1275,8 @@ def linear(x: torch.Tensor, w: LinearWeight, config: LinearConfig | None = None,
                 GROUP_SIZE=max(w.group_size, 1), ROW_GROUP=row_group, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                 BLOCK_K=block_k, GROUP_M=8, RESIDUAL=res2 is not None,
                 SWAP=cfg.swap and fmt == 1 and not row_group, PREFETCH=cfg.prefetch and fmt == 1 and not row_group,
-                SYM=sym, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(x.device))
+                SYM=sym, ASM=cfg.asm_dequant and asm_conversions(x.device), num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages, **pdl_launch(x.device))
             if split > 1:
                 _sum_splits(part, bias, res, out, split, w.bias is not None, res2 is not None)
     return out.reshape(*lead, out.shape[-1])

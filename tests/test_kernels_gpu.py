@@ -131,18 +131,20 @@ def test_decode_batches_through_the_launch_rule_match_the_reference(n: int, k: i
 
 @pytest.mark.parametrize("fmt", ["w8", "w8sym"])
 def test_linear_matmul_variants(fmt: str) -> None:
-    """Every form of the batched (M = 2-64) grouped w8 matmul the sweeps consider, on a ragged N, with K
-    splits, fused residual and bias: each equal to the reference within bfloat16's error."""
+    """Every form of the batched (M = 2-64) grouped w8 matmul the sweeps consider (bytes to floats by PTX or
+    not), on a ragged N, with K splits, fused residual and bias: each equal to the reference within
+    bfloat16's error."""
     w = make_weight(fmt, 4099, 14336, torch.bfloat16, bias=True, seed=8)
     for m in (3, 16, 40, 64):
         x = torch.randn(m, 14336, device=DEV).bfloat16()
         res = torch.randn(m, 4099, device=DEV).bfloat16()
         want = ref_linear(x, w)
-        for swap, prefetch, block_n, block_k, split in ((True, False, 128, 64, 3), (True, True, 128, 64, 1),
-                                                        (True, False, 64, 64, 2), (False, True, 64, 128, 5),
-                                                        (False, False, 64, 128, 1)):
+        for swap, prefetch, block_n, block_k, split, asm in (
+                (True, False, 128, 64, 3, False), (True, True, 128, 64, 1, False), (True, False, 64, 64, 2, False),
+                (False, True, 64, 128, 5, False), (False, False, 64, 128, 1, False), (True, False, 128, 64, 3, True),
+                (False, False, 128, 64, 2, True), (False, True, 64, 128, 1, True)):
             cfg = tlin.LinearConfig("matmul", 16 if m <= 16 else 64, block_n, block_k, split, swap=swap,
-                                    prefetch=prefetch)
+                                    prefetch=prefetch, asm_dequant=asm)
             assert rel_err(tlin.linear(x, w, cfg), want) < REL[torch.bfloat16], (m, cfg)
             got = tlin.linear(x, w, cfg, residual=res)
             assert rel_err(got, (want.float() + res.float())) < REL[torch.bfloat16], (m, cfg)
