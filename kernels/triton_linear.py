@@ -1063,9 +1063,14 @@ def choose_config(m: int, n: int, k: int, fmt: str, device: torch.device,
             # 21,072, 1B 5,601 / 10,479 / 18,739 against 4,319 / 8,569 / 15,095, 8B 1,344 / 2,568 / 4,646
             # against 928 / 1,815 / 3,260. Short rows want narrower tiles and fewer programs
             block_n, target = (64, 2 * sms) if k <= SHORT_K else (128, 4 * sms)
+            # longer rows at 16 rows: the plain form with bytes made floats by one prmt each beats the swap
+            # form (same sweep, session 24, tok/s at batch 4 / 8 / 16: 1B 3,152 / 5,886 / 10,956 against
+            # 2,989 / 5,577 / 10,400, 8B 754 / 1,461 / 2,751 against 689 / 1,321 / 2,519); not at 32 rows
+            # (1B 15,718 against 18,800) nor for SmolLM2 (13,000 against 13,806 at 16)
+            plain = block_m == 16 and k > SHORT_K
             return LinearConfig("matmul", block_m, block_n, 64,
                                 _pick_split(-(-m // block_m) * -(-n // block_n), -(-k // 64), target, 4),
-                                num_warps=4, num_stages=3, swap=True)
+                                num_warps=4, num_stages=3, swap=not plain, asm_dequant=plain)
         if fmt == "w8" and block_m == 64:
             # H200 sweep over the 1B / 8B decode linears at M = 64 (docs/BENCHMARKS.md, session 16):
             # the weight tile as the dot's first operand, 128 x 64 tiles, 2 programs an SM, 0.73x the

@@ -114,19 +114,21 @@ def test_gemv_of_several_x_rows_at_real_shapes_gives_the_single_row_gemvs_bits(n
 @pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (6144, 4096), (4096, 14336)])
 def test_decode_batches_through_the_launch_rule_match_the_reference(n: int, k: int, fmt: str) -> None:
     """Decode batches (M = 2-64) at SmolLM2's short rows and the 8B's long ones, through whatever form
-    choose_config picks for each M (the GEMV of several x rows, the swap matmul, the tiled one), with the
+    choose_config picks for each M (the GEMV of several x rows, the swap matmul, the plain one), with the
     residual: within bfloat16's error of the reference."""
     w = make_weight(fmt, n, k, torch.bfloat16, bias=False, seed=n + k + 1)
     kinds = set()
     for m in (2, 3, 4, 5, 8, 16, 17, 32, 64):
         cfg = tlin.choose_config(m, n, k, w.format, torch.device(DEV))
-        kinds.add((cfg.kind, cfg.swap))
+        kinds.add((cfg.kind, cfg.swap, cfg.asm_dequant))
         x = torch.randn(m, k, device=DEV).bfloat16()
         res = torch.randn(m, n, device=DEV).bfloat16()
         got = tlin.linear(x, w, residual=res)
         assert rel_err(got, ref_linear(x, w).float() + res.float()) < REL[torch.bfloat16], (m, cfg)
     if fmt != "w4":
-        assert kinds >= {("gemv", False), ("matmul", True)}, kinds
+        assert kinds >= {("gemv", False, False), ("matmul", True, False)}, kinds
+        if k > tlin.SHORT_K:
+            assert ("matmul", False, True) in kinds, kinds  # the plain form, bytes to floats by PTX
 
 
 @pytest.mark.parametrize("fmt", ["w8", "w8sym"])
