@@ -832,11 +832,17 @@ def _matmul_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr
     if FORMAT == 2:
         # dequantize [BLOCK_N, BLOCK_K // 32, 16]-byte tiles (one scale per 16-byte chunk, as in the
         # GEMV), then two dots: low nibbles with x's even columns, high nibbles with its odd ones
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        # (SWAP: the weight halves as the dots' first operands, x's even and odd columns loaded apart)
         chunk = tl.arange(0, BLOCK_K // 32) * 16
         v = tl.arange(0, 16)
         kx = tl.arange(0, BLOCK_K)
         w_rows = w_ptr + rn64[:, None, None] * stride_wn
+        if SWAP:
+            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            kh2 = 2 * tl.arange(0, BLOCK_K // 2)
+            xe_tile = x_ptr + rm_ld.to(tl.int64)[None, :] * stride_xm + kh2[:, None]
+        else:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(k_lo, k_hi, BLOCK_K):
             start = k0 // 2 + chunk
             byte = (start[:, None] + v[None, :])[None, :, :]
@@ -844,24 +850,37 @@ def _matmul_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr
             s_ptrs = scale_ptr + rn64[:, None] * stride_sn + grp
             m_ptrs = min_ptr + rn64[:, None] * stride_sn + grp
             if EVEN_K:
-                xt = tl.load(x_rows + k0 + kx[None, :])
                 b = tl.load(w_rows + byte)
                 s = tl.load(s_ptrs).to(tl.float32)
                 mn = tl.load(m_ptrs).to(tl.float32)
+                if SWAP:
+                    xe = tl.load(xe_tile + k0)
+                    xo = tl.load(xe_tile + k0 + 1)
+                else:
+                    xt = tl.load(x_rows + k0 + kx[None, :])
             else:
                 cm = (2 * start < k_hi)[None, :]  # chunks never straddle k_hi
-                xt = tl.load(x_rows + k0 + kx[None, :], mask=(k0 + kx[None, :]) < k_hi, other=0.0)
                 b = tl.load(w_rows + byte, mask=cm[:, :, None], other=0)
                 s = tl.load(s_ptrs, mask=cm, other=0.0).to(tl.float32)
                 mn = tl.load(m_ptrs, mask=cm, other=0.0).to(tl.float32)
-            xe, xo = tl.split(tl.reshape(xt, (BLOCK_M, BLOCK_K // 2, 2)))
+                if SWAP:
+                    xm = (k0 + kh2[:, None]) < k_hi  # k_hi is even: an even column's odd neighbour goes with it
+                    xe = tl.load(xe_tile + k0, mask=xm, other=0.0)
+                    xo = tl.load(xe_tile + k0 + 1, mask=xm, other=0.0)
+                else:
+                    xt = tl.load(x_rows + k0 + kx[None, :], mask=(k0 + kx[None, :]) < k_hi, other=0.0)
             bi = b.to(tl.int32)
             s3 = s[:, :, None]
             m3 = mn[:, :, None]
             lo = tl.reshape((small_uint_to_f32(bi & 0x0F) * s3 + m3).to(dt), (BLOCK_N, BLOCK_K // 2))
             hi = tl.reshape((small_uint_to_f32(bi >> 4) * s3 + m3).to(dt), (BLOCK_N, BLOCK_K // 2))
-            acc += tl.dot(xe, tl.trans(lo))
-            acc += tl.dot(xo, tl.trans(hi))
+            if SWAP:
+                acc += tl.dot(lo, xe)
+                acc += tl.dot(hi, xo)
+            else:
+                xe, xo = tl.split(tl.reshape(xt, (BLOCK_M, BLOCK_K // 2, 2)))
+                acc += tl.dot(xe, tl.trans(lo))
+                acc += tl.dot(xo, tl.trans(hi))
     elif FORMAT == 1 and not ROW_GROUP:
         ci = tl.arange(0, BLOCK_K // 32)  # 32-weight chunks, one scale and minimum each
         w_tile = w_ptr + rn64[:, None, None] * stride_wn + (ci[:, None] * 32 + tl.arange(0, 32)[None, :])[None, :, :]
@@ -1253,7 +1272,7 @@ def linear(x: torch.Tensor, w: LinearWeight, config: LinearConfig | None = None,
                 FORMAT=fmt, HAS_BIAS=w.bias is not None, SPLIT=split > 1, EVEN_K=even_k,
                 GROUP_SIZE=max(w.group_size, 1), ROW_GROUP=row_group, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                 BLOCK_K=block_k, GROUP_M=8, RESIDUAL=res2 is not None,
-                SWAP=cfg.swap and fmt == 1 and not row_group, PREFETCH=cfg.prefetch and fmt == 1 and not row_group,
+                SWAP=cfg.swap and fmt in (1, 2) and not row_group, PREFETCH=cfg.prefetch and fmt == 1 and not row_group,
                 SYM=sym, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(x.device))
             if split > 1:
                 block = 1024

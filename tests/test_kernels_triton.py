@@ -236,9 +236,9 @@ def test_gemv_constants_taken_off_once_a_chunk_cost_under_2_to_the_minus_16_of_t
 @pytest.mark.parametrize("swap,prefetch", [(False, False), (True, False), (False, True), (True, True)])
 @pytest.mark.parametrize("fmt", ["dense", "w8", "w8sym", "w4"])
 def test_linear_matmul_split_and_3d(fmt: str, swap: bool, prefetch: bool) -> None:
-    """Every form of the batched matmul (grouped w8: weights as the dot's first operand, the next weight
-    tile loaded ahead; w4 and dense ignore both), split over K or not, ragged K (192 = 1.5 steps of
-    128), leading dims and strided rows."""
+    """Every form of the batched matmul (grouped w8 and w4: weights as the dots' first operands; grouped w8:
+    the next weight tile loaded ahead; dense ignores both), split over K or not, ragged K (192 = 1.5 steps
+    of 128), leading dims and strided rows."""
     torch.manual_seed(1)
     w = _weight(fmt, 48, 192, torch.float16, bias=True, group=64)
     forms = dict(swap=swap, prefetch=prefetch)
