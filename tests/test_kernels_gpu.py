@@ -128,10 +128,11 @@ def test_decode_batches_through_the_launch_rule_match_the_reference(n: int, k: i
     assert ("gemv", False) in kinds and ("matmul", fmt != "w4") in kinds, kinds
 
 
-@pytest.mark.parametrize("fmt", ["w8", "w8sym"])
+@pytest.mark.parametrize("fmt", ["w8", "w8sym", "w4"])
 def test_linear_matmul_variants(fmt: str) -> None:
-    """Every form of the batched (M = 2-64) grouped w8 matmul the sweeps consider, on a ragged N, with K
-    splits, fused residual and bias: each equal to the reference within bfloat16's error."""
+    """Every form of the batched (M = 2-64) grouped w8 and w4 matmul the sweeps consider (w4: the swap form
+    or not; prefetch is w8's), on a ragged N, with K splits, fused residual and bias: each equal to the
+    reference within bfloat16's error."""
     w = make_weight(fmt, 4099, 14336, torch.bfloat16, bias=True, seed=8)
     for m in (3, 16, 40, 64):
         x = torch.randn(m, 14336, device=DEV).bfloat16()
