@@ -1161,10 +1161,12 @@ def choose_config(m: int, n: int, k: int, fmt: str, device: torch.device,
         # SmolLM2 3,566 / 1,943, 1B 2,255 / 1,513, 8B 579 / 352; 4 rows SmolLM2 5,000 / 3,815 but 1B 2,552 /
         # 3,000 and 8B 621 / 695 (a row of x costs it ~0.7 ms a step at 8B: it is bound by issuing FMAs)
         # w4 takes the same rule here unmeasured (branch gemv-x-rows-w4; the matmul it replaces is w4's 16-row tiles)
-        # w4 at K >= 4096: 2048 bytes a step, a whole 16-byte chunk a thread (no shuffles for the chunk sums)
+        # w4: a whole 16-byte chunk a thread, so its sums need no shuffles (sm_90 SASS): 2048 bytes a step at
+        # K >= 4096 over 4 warps, fewer warps where the rows are shorter
         block_k = 4096 if fmt == "w4" and k >= 4096 else 2048 if k > 1024 else 1024
+        warps = max(1, min(4, block_k // 1024)) if fmt == "w4" else 4
         return LinearConfig("gemv", 1, 2, block_k, _pick_split(-(-n // 2), -(-k // block_k), 2 * sms, 2),
-                            num_warps=4, num_stages=1)
+                            num_warps=warps, num_stages=1)
     if m <= 64:
         # decode batches: still weight-bandwidth bound; split K to fill the SMs (w4 wants more
         # programs: its dequantization is the slower part)

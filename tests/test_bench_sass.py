@@ -64,6 +64,15 @@ def test_gemv_of_several_x_rows_converts_each_weight_once_without_shuffles(fmt: 
     assert stats.per_weight / xrows < 4.0, (stats.per_weight, stats.opcodes.most_common(8))
 
 
+@pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (3072, 2048)])
+def test_w4_gemv_of_several_x_rows_sums_whole_chunks_in_a_thread_at_shorter_rows(n: int, k: int) -> None:
+    """SmolLM2's and the 1B's rows: the launch rule gives the w4 GEMV of x rows as many warps as keep a
+    whole 16-byte chunk in each thread, so its loop still has no shuffles or shared memory."""
+    stats, cfg = gemv_x_rows_loop(n, k, 2, fmt="w4")
+    assert cfg.block_k // 2 >= 16 * 32 * cfg.num_warps, cfg
+    assert stats.shared_or_shuffle == 0, stats.opcodes
+
+
 def test_bench_sass_prints_a_row_per_shape_and_format() -> None:
     r = subprocess.run([sys.executable, "-m", "edged.cli", "bench", "sass", "--shapes", "smollm2-135m qkv",
                         "--quant", "w8,w4"], capture_output=True, text=True, timeout=300)
