@@ -12,13 +12,14 @@ Paths, by the number of rows M of x:
   GEMVs also take the RMSNorm or the SiLU of their input in their prologue, or (a [gate | up] weight)
   make silu(gate) * up in their epilogue, each program taking gate rows and the matching up rows;
   every GEMV can add the residual in its epilogue.
-- M = 2-3 (4 where rows are short), grouped w8: the GEMV of several x rows (_gemv_x_rows_kernel, up to
-  8 a launch), each weight converted once and summed against every row of x, each row's result the
-  one-row GEMV's bit for bit.
+- M = 2-3 (where rows are short: w8 to 4, w4 to 8), w8 and w4: the GEMV of several x rows (_gemv_x_rows_kernel, up to 8
+  a launch; _gemv_w4_x_rows_kernel, up to 4), each weight converted once and summed against every row of
+  x, each row's result the one-row GEMV's bit for bit.
 - Otherwise M > 1, w8 / w4: a tiled tl.dot kernel with dequantization in the loop, split over K while
   the output tiles alone cannot fill the GPU (decode batches); grouped w8 batches of 4-128
-  rows take the weight tile as the dot's first operand (_matmul_kernel's SWAP). Dense weights from
-  M = 2 on go to cuBLAS.
+  rows take the weight tile as the dot's first operand (_matmul_kernel's SWAP), except 4-16 rows of
+  long rows (K > SHORT_K), which keep the plain form and make bytes floats by PTX (ASM); w4 takes the
+  swap form at 9-16 short rows. Dense weights from M = 2 on go to cuBLAS.
   Both dequantize their weight tile in float32 (q * scale + minimum per group) and round it to the
   activation dtype for the dot; a w8 row that is one group (in_features not a multiple of 32) dots
   the raw q (exact in any dtype) and applies scale * dot + minimum * sum(x) after the K loop.
@@ -632,6 +633,15 @@ def _dot_loaded_w4(acc, b, s, mn, e0, e1, e2, e3, o0, o1, o2, o3, xsum, magic_xs
     can sit under float32's exponent; the constants, up to ~270x a typical q, cost the dot ~8 bits, as in
     _dot_loaded, and EXACT takes them off each weight instead. e0..e3, o0..o3: the quarters of x[even],
     x[odd]."""
+    l0, l1, l2, l3, h0, h1, h2, h3 = _nibble_floats(b, C, ASM, EXACT)
+    return _chunk_sums_w4(acc, l0, l1, l2, l3, h0, h1, h2, h3, s, mn, e0, e1, e2, e3, o0, o1, o2, o3, xsum,
+                          magic_xsum, EXACT)
+
+
+@triton.jit
+def _nibble_floats(b, C: tl.constexpr, ASM: tl.constexpr, EXACT: tl.constexpr):
+    """One w4 row's loaded step as the floats _dot_loaded_w4 multiplies: the quarters of its low nibbles
+    (128 + q) and of its high ones (2048 + q); EXACT: q."""
     if ASM:
         lo, hi = magic_nibbles_f32_asm(b)
     else:
@@ -641,6 +651,13 @@ def _dot_loaded_w4(acc, b, s, mn, e0, e1, e2, e3, o0, o1, o2, o3, xsum, magic_xs
         hi -= 2048.0
     l0, l1, l2, l3 = _quarters(lo, C, 16)
     h0, h1, h2, h3 = _quarters(hi, C, 16)
+    return l0, l1, l2, l3, h0, h1, h2, h3
+
+
+@triton.jit
+def _chunk_sums_w4(acc, l0, l1, l2, l3, h0, h1, h2, h3, s, mn, e0, e1, e2, e3, o0, o1, o2, o3, xsum, magic_xsum,
+                   EXACT: tl.constexpr):
+    """acc [chunks] += one w4 row's _nibble_floats against x's even and odd quarters (_dot_loaded_w4)."""
     dot = tl.sum(l0 * e0 + h0 * o0 + l1 * e1 + h1 * o1 + l2 * e2 + h2 * o2 + l3 * e3 + h3 * o3, axis=1)
     if not EXACT:
         dot -= magic_xsum
@@ -757,6 +774,95 @@ def _gemv_w4_kernel(xw_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_p
 
 
 @triton.jit
+def _x_rows_w4_sums(a0, a1, l00, l01, l02, l03, h00, h01, h02, h03, l10, l11, l12, l13, h10, h11, h12, h13, sc0,
+                    mn0, sc1, mn1, xw_ptr, byte, cm, X_KIND: tl.constexpr, ROWS: tl.constexpr,
+                    EVEN_K: tl.constexpr, C: tl.constexpr, EXACT: tl.constexpr):
+    """One row of x (its words at xw_ptr) at one step against the program's converted w4 rows: a0 and a1
+    (weight rows 0 and 1) accumulate in the one-row GEMV's arithmetic."""
+    e0, e1, e2, e3, o0, o1, o2, o3, xs, mxs = _x_step_w4(xw_ptr, 0, 0, byte, cm, 1.0, X_KIND, False, False, EVEN_K,
+                                                         C)
+    a0 = _chunk_sums_w4(a0, l00, l01, l02, l03, h00, h01, h02, h03, sc0, mn0, e0, e1, e2, e3, o0, o1, o2, o3, xs,
+                        mxs, EXACT)
+    if ROWS > 1:
+        a1 = _chunk_sums_w4(a1, l10, l11, l12, l13, h10, h11, h12, h13, sc1, mn1, e0, e1, e2, e3, o0, o1, o2, o3,
+                            xs, mxs, EXACT)
+    return a0, a1
+
+
+@triton.jit
+def _x_rows_w4_step(a00, a01, a02, a03, a10, a11, a12, a13, w0, sc0, mn0, w1, sc1, mn1, xw_ptr, stride_xw, byte, cm,
+                    X_KIND: tl.constexpr, ROWS: tl.constexpr, XROWS: tl.constexpr, EVEN_K: tl.constexpr,
+                    C: tl.constexpr, ASM: tl.constexpr, EXACT: tl.constexpr):
+    """One K step of _gemv_w4_x_rows_kernel: the step's nibbles (w0, and w1 when ROWS == 2) converted once,
+    then summed against each of XROWS (1-4) rows of x; a{r}{m}: weight row r against x row m."""
+    l00, l01, l02, l03, h00, h01, h02, h03 = _nibble_floats(w0, C, ASM, EXACT)
+    l10, l11, l12, l13, h10, h11, h12, h13 = l00, l01, l02, l03, h00, h01, h02, h03
+    if ROWS > 1:
+        l10, l11, l12, l13, h10, h11, h12, h13 = _nibble_floats(w1, C, ASM, EXACT)
+    a00, a10 = _x_rows_w4_sums(a00, a10, l00, l01, l02, l03, h00, h01, h02, h03, l10, l11, l12, l13, h10, h11, h12,
+                               h13, sc0, mn0, sc1, mn1, xw_ptr, byte, cm, X_KIND, ROWS, EVEN_K, C, EXACT)
+    if XROWS > 1:
+        a01, a11 = _x_rows_w4_sums(a01, a11, l00, l01, l02, l03, h00, h01, h02, h03, l10, l11, l12, l13, h10, h11,
+                                   h12, h13, sc0, mn0, sc1, mn1, xw_ptr + stride_xw, byte, cm, X_KIND, ROWS, EVEN_K,
+                                   C, EXACT)
+    if XROWS > 2:
+        a02, a12 = _x_rows_w4_sums(a02, a12, l00, l01, l02, l03, h00, h01, h02, h03, l10, l11, l12, l13, h10, h11,
+                                   h12, h13, sc0, mn0, sc1, mn1, xw_ptr + 2 * stride_xw, byte, cm, X_KIND, ROWS,
+                                   EVEN_K, C, EXACT)
+    if XROWS > 3:
+        a03, a13 = _x_rows_w4_sums(a03, a13, l00, l01, l02, l03, h00, h01, h02, h03, l10, l11, l12, l13, h10, h11,
+                                   h12, h13, sc0, mn0, sc1, mn1, xw_ptr + 3 * stride_xw, byte, cm, X_KIND, ROWS,
+                                   EVEN_K, C, EXACT)
+    return a00, a01, a02, a03, a10, a11, a12, a13
+
+
+@triton.jit
+def _gemv_w4_x_rows_kernel(xw_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr, res_ptr, M, N, KB,
+                           kb_per_split, stride_xw, stride_wn, stride_sn, stride_om, stride_rm,
+                           X_KIND: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
+                           GROUP_SIZE: tl.constexpr, ROWS: tl.constexpr, XROWS: tl.constexpr,
+                           BLOCK_KB: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr,
+                           EXACT: tl.constexpr):
+    """_gemv_x_rows_kernel for w4 weights (KB bytes a row): XROWS (1-4) rows of x, as words of pairs
+    (stride_xw words apart), against ROWS (1 or 2) weight rows. Row m of the result is what _gemv_w4_kernel
+    gives for x[m], bit for bit; the bias and the residual add, no other fused form."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    i0, i1, _, _, n = _gemv_rows(pid_n, N, ROWS, False)
+    r0, r1, _, _ = _row_ptrs(w_ptr, i0, i1, i1, i1, stride_wn)
+    s0, s1, _, _ = _row_ptrs(scale_ptr, i0, i1, i1, i1, stride_sn)
+    m0, m1, _, _ = _row_ptrs(min_ptr, i0, i1, i1, i1, stride_sn)
+    C: tl.constexpr = BLOCK_KB // 16
+    chunk, byte0, b_lo, b_hi = _split_columns(pid_k, kb_per_split, KB, C, 16)
+    a00 = tl.zeros([C], dtype=tl.float32)
+    a01, a02, a03, a10, a11, a12, a13 = a00, a00, a00, a00, a00, a00, a00
+    start = b_lo + chunk
+    cm = start < b_hi  # chunks never straddle b_hi: rows and splits are whole chunks
+    w0, sc0, mn0 = _load_row_w4(r0, s0, m0, b_lo + byte0, start // (GROUP_SIZE // 2), cm, EVEN_K)
+    w1, sc1, mn1 = w0, sc0, mn0
+    if ROWS > 1:
+        w1, sc1, mn1 = _load_row_w4(r1, s1, m1, b_lo + byte0, start // (GROUP_SIZE // 2), cm, EVEN_K)
+    bias = 0.0
+    if HAS_BIAS and not SPLIT:
+        bias = tl.load(bias_ptr + tl.minimum(n, N - 1)).to(tl.float32)
+    pdl_begin(PDL)
+    a00, a01, a02, a03, a10, a11, a12, a13 = _x_rows_w4_step(
+        a00, a01, a02, a03, a10, a11, a12, a13, w0, sc0, mn0, w1, sc1, mn1, xw_ptr, stride_xw, b_lo + byte0, cm,
+        X_KIND, ROWS, XROWS, EVEN_K, C, ASM, EXACT)
+    for kb0 in range(b_lo + BLOCK_KB, b_hi, BLOCK_KB):
+        start = kb0 + chunk
+        cm = start < b_hi
+        w0, sc0, mn0 = _load_row_w4(r0, s0, m0, kb0 + byte0, start // (GROUP_SIZE // 2), cm, EVEN_K)
+        if ROWS > 1:
+            w1, sc1, mn1 = _load_row_w4(r1, s1, m1, kb0 + byte0, start // (GROUP_SIZE // 2), cm, EVEN_K)
+        a00, a01, a02, a03, a10, a11, a12, a13 = _x_rows_w4_step(
+            a00, a01, a02, a03, a10, a11, a12, a13, w0, sc0, mn0, w1, sc1, mn1, xw_ptr, stride_xw, kb0 + byte0, cm,
+            X_KIND, ROWS, XROWS, EVEN_K, C, ASM, EXACT)
+    _x_rows_store(a00, a01, a02, a03, a10, a11, a12, a13, 0, n, N, pid_k, M, out_ptr, part_ptr, bias, res_ptr,
+                  stride_om, stride_rm, XROWS, HAS_BIAS, SPLIT, RESIDUAL)
+
+
+@triton.jit
 def _u8_to(q, dtype: tl.constexpr):
     """uint8 -> dtype, exact (0..255 fit every dot operand type), without the integer-to-float unit:
     float16 as 1024 + q - 1024, the others through small_uint_to_f32."""
@@ -841,11 +947,17 @@ def _matmul_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr
     if FORMAT == 2:
         # dequantize [BLOCK_N, BLOCK_K // 32, 16]-byte tiles (one scale per 16-byte chunk, as in the
         # GEMV), then two dots: low nibbles with x's even columns, high nibbles with its odd ones
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        # (SWAP: the weight halves as the dots' first operands, x's even and odd columns loaded apart)
         chunk = tl.arange(0, BLOCK_K // 32) * 16
         v = tl.arange(0, 16)
         kx = tl.arange(0, BLOCK_K)
         w_rows = w_ptr + rn64[:, None, None] * stride_wn
+        if SWAP:
+            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            kh2 = 2 * tl.arange(0, BLOCK_K // 2)
+            xe_tile = x_ptr + rm_ld.to(tl.int64)[None, :] * stride_xm + kh2[:, None]
+        else:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(k_lo, k_hi, BLOCK_K):
             start = k0 // 2 + chunk
             byte = (start[:, None] + v[None, :])[None, :, :]
@@ -853,24 +965,37 @@ def _matmul_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr
             s_ptrs = scale_ptr + rn64[:, None] * stride_sn + grp
             m_ptrs = min_ptr + rn64[:, None] * stride_sn + grp
             if EVEN_K:
-                xt = tl.load(x_rows + k0 + kx[None, :])
                 b = tl.load(w_rows + byte)
                 s = tl.load(s_ptrs).to(tl.float32)
                 mn = tl.load(m_ptrs).to(tl.float32)
+                if SWAP:
+                    xe = tl.load(xe_tile + k0)
+                    xo = tl.load(xe_tile + k0 + 1)
+                else:
+                    xt = tl.load(x_rows + k0 + kx[None, :])
             else:
                 cm = (2 * start < k_hi)[None, :]  # chunks never straddle k_hi
-                xt = tl.load(x_rows + k0 + kx[None, :], mask=(k0 + kx[None, :]) < k_hi, other=0.0)
                 b = tl.load(w_rows + byte, mask=cm[:, :, None], other=0)
                 s = tl.load(s_ptrs, mask=cm, other=0.0).to(tl.float32)
                 mn = tl.load(m_ptrs, mask=cm, other=0.0).to(tl.float32)
-            xe, xo = tl.split(tl.reshape(xt, (BLOCK_M, BLOCK_K // 2, 2)))
+                if SWAP:
+                    xm = (k0 + kh2[:, None]) < k_hi  # k_hi is even: an even column's odd neighbour goes with it
+                    xe = tl.load(xe_tile + k0, mask=xm, other=0.0)
+                    xo = tl.load(xe_tile + k0 + 1, mask=xm, other=0.0)
+                else:
+                    xt = tl.load(x_rows + k0 + kx[None, :], mask=(k0 + kx[None, :]) < k_hi, other=0.0)
             bi = b.to(tl.int32)
             s3 = s[:, :, None]
             m3 = mn[:, :, None]
             lo = tl.reshape((small_uint_to_f32(bi & 0x0F) * s3 + m3).to(dt), (BLOCK_N, BLOCK_K // 2))
             hi = tl.reshape((small_uint_to_f32(bi >> 4) * s3 + m3).to(dt), (BLOCK_N, BLOCK_K // 2))
-            acc += tl.dot(xe, tl.trans(lo))
-            acc += tl.dot(xo, tl.trans(hi))
+            if SWAP:
+                acc += tl.dot(lo, xe)
+                acc += tl.dot(hi, xo)
+            else:
+                xe, xo = tl.split(tl.reshape(xt, (BLOCK_M, BLOCK_K // 2, 2)))
+                acc += tl.dot(xe, tl.trans(lo))
+                acc += tl.dot(xo, tl.trans(hi))
     elif FORMAT == 1 and not ROW_GROUP:
         ci = tl.arange(0, BLOCK_K // 32)  # 32-weight chunks, one scale and minimum each
         w_tile = w_ptr + rn64[:, None, None] * stride_wn + (ci[:, None] * 32 + tl.arange(0, 32)[None, :])[None, :, :]
@@ -1045,14 +1170,21 @@ def choose_config(m: int, n: int, k: int, fmt: str, device: torch.device,
         return LinearConfig("gemv", 1, rows, block_k, split, num_warps=4, num_stages=1)
     if fmt == "dense":
         return LinearConfig("torch")  # cuBLAS is at bandwidth for dense weights from M = 2 on
-    if fmt == "w8" and m <= (X_ROWS_GEMV_MAX_SHORT_K if k <= SHORT_K else X_ROWS_GEMV_MAX):
+    short = k <= SHORT_K
+    if fmt in ("w8", "w4") and m <= (X_ROWS_GEMV_MAX if not short else
+                                     X_ROWS_GEMV_MAX_SHORT_K_W4 if fmt == "w4" else X_ROWS_GEMV_MAX_SHORT_K):
         # a few sequences: the GEMV of several x rows (_gemv_x_rows_kernel), each weight converted once. H200,
         # in-graph decode steps (docs/BENCHMARKS.md, session 23), tok/s against the swap matmul below: 2 rows
         # SmolLM2 3,566 / 1,943, 1B 2,255 / 1,513, 8B 579 / 352; 4 rows SmolLM2 5,000 / 3,815 but 1B 2,552 /
-        # 3,000 and 8B 621 / 695 (a row of x costs it ~0.7 ms a step at 8B: it is bound by issuing FMAs)
-        block_k = 2048 if k > 1024 else 1024
+        # 3,000 and 8B 621 / 695 (a row of x costs it ~0.7 ms a step at 8B: it is bound by issuing FMAs).
+        # w4 (session 24, against its 16-row tiles): 2 rows SmolLM2 3,603 / 1,505, 1B 2,228 / 1,361, 8B 448 /
+        # 286; 3 rows 8B 503 / 427, 4 rows 8B 523 / 565; SmolLM2 up to 8 rows (7,720 / 5,692)
+        # w4: a whole 16-byte chunk a thread, so its sums need no shuffles (sm_90 SASS): 2048 bytes a step at
+        # K >= 4096 over 4 warps, fewer warps where the rows are shorter
+        block_k = 4096 if fmt == "w4" and k >= 4096 else 2048 if k > 1024 else 1024
+        warps = max(1, min(4, block_k // 1024)) if fmt == "w4" else 4
         return LinearConfig("gemv", 1, 2, block_k, _pick_split(-(-n // 2), -(-k // block_k), 2 * sms, 2),
-                            num_warps=4, num_stages=1)
+                            num_warps=warps, num_stages=1)
     if m <= 64:
         # decode batches: still weight-bandwidth bound; split K to fill the SMs (w4 wants more
         # programs: its dequantization is the slower part)
@@ -1062,12 +1194,12 @@ def choose_config(m: int, n: int, k: int, fmt: str, device: torch.device,
             # 32 x 64 x 128 tiles, batch 8 / 16 / 32: SmolLM2 7,226 / 13,607 / 21,459 against 5,192 / 9,902 /
             # 21,072, 1B 5,601 / 10,479 / 18,739 against 4,319 / 8,569 / 15,095, 8B 1,344 / 2,568 / 4,646
             # against 928 / 1,815 / 3,260. Short rows want narrower tiles and fewer programs
-            block_n, target = (64, 2 * sms) if k <= SHORT_K else (128, 4 * sms)
+            block_n, target = (64, 2 * sms) if short else (128, 4 * sms)
             # longer rows at 16 rows: the plain form with bytes made floats by one prmt each beats the swap
-            # form (same sweep, session 24, tok/s at batch 4 / 8 / 16: 1B 3,152 / 5,886 / 10,956 against
-            # 2,989 / 5,577 / 10,400, 8B 754 / 1,461 / 2,751 against 689 / 1,321 / 2,519); not at 32 rows
-            # (1B 15,718 against 18,800) nor for SmolLM2 (13,000 against 13,806 at 16)
-            plain = block_m == 16 and k > SHORT_K
+            # form (same sweep, session 24, tok/s at batch 4 / 8 / 16: 1B 3,152 / 5,870 / 10,956 against
+            # 2,987 / 5,577 / 10,400, 8B 754 / 1,460 / 2,749 against 689 / 1,321 / 2,518); not at 32 rows
+            # (1B 17,797 against 18,715, 8B 4,436 against 4,636) nor for SmolLM2 (12,921 against 13,800 at 16)
+            plain = block_m == 16 and not short
             return LinearConfig("matmul", block_m, block_n, 64,
                                 _pick_split(-(-m // block_m) * -(-n // block_n), -(-k // 64), target, 4),
                                 num_warps=4, num_stages=3, swap=not plain, asm_dequant=plain)
@@ -1078,6 +1210,10 @@ def choose_config(m: int, n: int, k: int, fmt: str, device: torch.device,
             tiles = -(-n // 128)
             return LinearConfig("matmul", 64, 128, 64, _pick_split(tiles, -(-k // 64), 2 * sms, 4), num_warps=4,
                                 num_stages=3, swap=True)
+        if block_m == 16 and short:
+            # w4's swap form, SmolLM2 at 9-16 rows (session 24 sweep, batch 16: 12,115 tok/s against 10,653)
+            return LinearConfig("matmul", 16, 64, 64, _pick_split(-(-n // 64), -(-k // 64), 2 * sms, 4),
+                                num_warps=4, num_stages=3, swap=True)
         block_n, block_k = 128, (128 if block_m == 16 else 64)  # w4
         tiles = -(-m // block_m) * -(-n // block_n)
         return LinearConfig("matmul", block_m, block_n, block_k, _pick_split(tiles, -(-k // block_k), 2 * sms, 4),
@@ -1107,10 +1243,12 @@ def _torch_linear(x: torch.Tensor, w: LinearWeight, out_dtype: torch.dtype) -> t
 
 
 FUSED_INPUT_MAX_WEIGHTS = 1 << 23
-X_ROWS_GEMV_MAX = 3  # rows of x up to which grouped w8 takes the GEMV of several x rows (choose_config)
+X_ROWS_GEMV_MAX = 3  # rows of x up to which grouped w8 and w4 take the GEMV of several x rows (choose_config)
 X_ROWS_GEMV_MAX_SHORT_K = 4  # the same where rows are short (SmolLM2: K <= SHORT_K)
+X_ROWS_GEMV_MAX_SHORT_K_W4 = 8  # and for w4 where rows are short
 SHORT_K = 1536
 X_ROWS_PER_LAUNCH = 8  # rows of x one _gemv_x_rows_kernel launch takes (at most 8)
+X_ROWS_PER_LAUNCH_W4 = 4  # and one _gemv_w4_x_rows_kernel launch (at most 4)
 
 
 def _gemv_counters(device: torch.device, rows: int, split: int, unused: torch.Tensor) -> torch.Tensor:
@@ -1147,19 +1285,30 @@ def _sum_splits(part: torch.Tensor, bias: torch.Tensor, res: torch.Tensor, out: 
 def _gemv_x_rows(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bias: torch.Tensor,
                  out: torch.Tensor, res: torch.Tensor | None, w: LinearWeight, fmt: int, sym: bool, exact: bool,
                  cfg: LinearConfig) -> None:
-    """Launch _gemv_x_rows_kernel for 1-8 rows of x, and the split-K sum after it."""
+    """Launch the GEMV of several x rows (_gemv_x_rows_kernel: dense or w8, 1-8 rows; _gemv_w4_x_rows_kernel:
+    1-4), and the split-K sum after it."""
     m, k = x.shape
     n = out.shape[1]
-    block_k = max(cfg.block_k, 32)
-    per, split = _k_split(k, block_k, cfg.split)
+    row = k // 2 if fmt == 2 else k  # w4: a step and a split count bytes, two weights each
+    step = max(16, cfg.block_k // 2) if fmt == 2 else max(cfg.block_k, 32)
+    per, split = _k_split(row, step, cfg.split)
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
     resid = res if res is not None else out
-    _gemv_x_rows_kernel[(triton.cdiv(n, cfg.block_n), split)](
-        x, data, scale, minimum, bias, out, part, resid, m, n, k, per, x.stride(0), data.stride(0),
-        scale.stride(0) if fmt else 0, out.stride(0), resid.stride(0), FORMAT=fmt, HAS_BIAS=w.bias is not None,
-        SPLIT=split > 1, EVEN_K=k % block_k == 0, GROUP_SIZE=max(w.group_size, 1), ROWS=cfg.block_n, XROWS=m,
-        BLOCK_K=block_k, VEC=16 // data.element_size(), RESIDUAL=res is not None, ASM=asm_conversions(x.device),
-        EXACT=exact, SYM=sym, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(x.device))
+    common = dict(HAS_BIAS=w.bias is not None, SPLIT=split > 1, EVEN_K=row % step == 0,
+                  GROUP_SIZE=max(w.group_size, 1), ROWS=cfg.block_n, XROWS=m, RESIDUAL=res is not None,
+                  ASM=asm_conversions(x.device), EXACT=exact, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                  **pdl_launch(x.device))
+    grid = (triton.cdiv(n, cfg.block_n), split)
+    if fmt == 2:
+        xw = _x_words(x)
+        _gemv_w4_x_rows_kernel[grid](
+            xw, data, scale, minimum, bias, out, part, resid, m, n, row, per, xw.stride(0), data.stride(0),
+            scale.stride(0), out.stride(0), resid.stride(0), X_KIND=_X_KINDS[x.dtype], BLOCK_KB=step, **common)
+    else:
+        _gemv_x_rows_kernel[grid](
+            x, data, scale, minimum, bias, out, part, resid, m, n, k, per, x.stride(0), data.stride(0),
+            scale.stride(0) if fmt else 0, out.stride(0), resid.stride(0), FORMAT=fmt, BLOCK_K=step,
+            VEC=16 // data.element_size(), SYM=sym, **common)
     if split > 1:
         _sum_splits(part, bias, resid, out, split, w.bias is not None, res is not None)
 
@@ -1235,10 +1384,11 @@ def linear(x: torch.Tensor, w: LinearWeight, config: LinearConfig | None = None,
     if cfg.kind == "gemv" and cfg.block_n not in (1, 2, 4):
         raise ValueError(f"a GEMV program takes 1, 2 or 4 weight rows, not {cfg.block_n}")
     if cfg.kind == "gemv" and m > 1:
-        if fmt == 2 or cfg.block_n > 2:
-            raise ValueError(f"a GEMV of {m} rows of x takes dense or w8 weights, 1 or 2 rows a program")
-        for m0 in range(0, m, X_ROWS_PER_LAUNCH):
-            rows = min(X_ROWS_PER_LAUNCH, m - m0)
+        if cfg.block_n > 2:
+            raise ValueError(f"a GEMV of {m} rows of x takes 1 or 2 weight rows a program, not {cfg.block_n}")
+        per_launch = X_ROWS_PER_LAUNCH_W4 if fmt == 2 else X_ROWS_PER_LAUNCH
+        for m0 in range(0, m, per_launch):
+            rows = min(per_launch, m - m0)
             _gemv_x_rows(x2[m0:m0 + rows], data, scale, minimum, bias, out[m0:m0 + rows],
                          None if res2 is None else res2[m0:m0 + rows], w, fmt, sym, exact, cfg)
         return out.reshape(*lead, out.shape[-1])
@@ -1279,8 +1429,8 @@ def linear(x: torch.Tensor, w: LinearWeight, config: LinearConfig | None = None,
                 FORMAT=fmt, HAS_BIAS=w.bias is not None, SPLIT=split > 1, EVEN_K=even_k,
                 GROUP_SIZE=max(w.group_size, 1), ROW_GROUP=row_group, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                 BLOCK_K=block_k, GROUP_M=8, RESIDUAL=res2 is not None,
-                SWAP=cfg.swap and fmt == 1 and not row_group, PREFETCH=cfg.prefetch and fmt == 1 and not row_group,
-                SYM=sym, ASM=cfg.asm_dequant and asm_conversions(x.device), num_warps=cfg.num_warps,
+                SWAP=cfg.swap and fmt in (1, 2) and not row_group, PREFETCH=cfg.prefetch and fmt == 1 and not row_group,
+                SYM=sym, ASM=cfg.asm_dequant and fmt == 1 and asm_conversions(x.device), num_warps=cfg.num_warps,
                 num_stages=cfg.num_stages, **pdl_launch(x.device))
             if split > 1:
                 _sum_splits(part, bias, res, out, split, w.bias is not None, res2 is not None)

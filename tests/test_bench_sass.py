@@ -44,18 +44,33 @@ def test_every_fused_form_of_the_decode_gemv_compiles_for_hopper(fmt, forms) -> 
     assert compiled.asm["cubin"]
 
 
-@pytest.mark.parametrize("xrows", [2, 4, 8])
-def test_gemv_of_several_x_rows_converts_each_weight_once_without_shuffles(xrows) -> None:
-    """The GEMV of a few sequences (grouped w8, the 8B's qkv shape): no shared memory or shuffles in its
-    loop, one prmt a weight whatever the rows of x, one FMA a weight and row of x, and under 4 instructions
-    a weight and row of x (the x rows' conversions and sums shared by the program's 2 weight rows)."""
-    stats, cfg = gemv_x_rows_loop(6144, 4096, xrows)
+@pytest.mark.parametrize("fmt,xrows", [("w8", 2), ("w8", 4), ("w8", 8), ("w4", 2), ("w4", 4)])
+def test_gemv_of_several_x_rows_converts_each_weight_once_without_shuffles(fmt: str, xrows: int) -> None:
+    """The GEMV of a few sequences (grouped w8 or w4, the 8B's qkv shape): no shared memory or shuffles in
+    its loop, each weight converted once whatever the rows of x (w8: a prmt a weight; w4: its nibbles'
+    LOP3s no more than for one row of x, plus the x words' unpacking), one FMA a weight and row of x, and
+    under 4 instructions a weight and row of x (the x rows' conversions and sums shared by the program's 2
+    weight rows)."""
+    stats, cfg = gemv_x_rows_loop(6144, 4096, xrows, fmt=fmt)
     assert cfg.kind == "gemv" and cfg.block_n == 2
     assert stats.shared_or_shuffle == 0, stats.opcodes
     weights = stats.weights_per_iteration
-    assert stats.opcodes["PRMT"] >= weights
+    if fmt == "w8":
+        assert stats.opcodes["PRMT"] >= weights
+    else:
+        one_row, _ = gemv_x_rows_loop(6144, 4096, 1, fmt=fmt)
+        assert stats.opcodes["LOP3"] <= one_row.opcodes["LOP3"] + 32 * (xrows - 1), stats.opcodes
     assert stats.opcodes["FFMA"] >= 0.9 * weights * xrows
     assert stats.per_weight / xrows < 4.0, (stats.per_weight, stats.opcodes.most_common(8))
+
+
+@pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (3072, 2048)])
+def test_w4_gemv_of_several_x_rows_sums_whole_chunks_in_a_thread_at_shorter_rows(n: int, k: int) -> None:
+    """SmolLM2's and the 1B's rows: the launch rule gives the w4 GEMV of x rows as many warps as keep a
+    whole 16-byte chunk in each thread, so its loop still has no shuffles or shared memory."""
+    stats, cfg = gemv_x_rows_loop(n, k, 2, fmt="w4")
+    assert cfg.block_k // 2 >= 16 * 32 * cfg.num_warps, cfg
+    assert stats.shared_or_shuffle == 0, stats.opcodes
 
 
 def test_bench_sass_prints_a_row_per_shape_and_format() -> None:

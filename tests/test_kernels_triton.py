@@ -236,9 +236,9 @@ def test_gemv_constants_taken_off_once_a_chunk_cost_under_2_to_the_minus_16_of_t
 @pytest.mark.parametrize("swap,prefetch", [(False, False), (True, False), (False, True), (True, True)])
 @pytest.mark.parametrize("fmt", ["dense", "w8", "w8sym", "w4"])
 def test_linear_matmul_split_and_3d(fmt: str, swap: bool, prefetch: bool) -> None:
-    """Every form of the batched matmul (grouped w8: weights as the dot's first operand, the next weight
-    tile loaded ahead; w4 and dense ignore both), split over K or not, ragged K (192 = 1.5 steps of
-    128), leading dims and strided rows."""
+    """Every form of the batched matmul (grouped w8 and w4: weights as the dots' first operands; grouped w8:
+    the next weight tile loaded ahead; dense ignores both), split over K or not, ragged K (192 = 1.5 steps
+    of 128), leading dims and strided rows."""
     torch.manual_seed(1)
     w = _weight(fmt, 48, 192, torch.float16, bias=True, group=64)
     forms = dict(swap=swap, prefetch=prefetch)
@@ -305,15 +305,15 @@ def test_linear_fused_forms_equal_the_composed_ops(fmt: str, form: str, rows: in
     assert (got.float() - want.float()).abs().max().item() <= tol * scale, (got, want)
 
 
-@pytest.mark.parametrize("fmt", ["dense", "w8", "w8sym"])
+@pytest.mark.parametrize("fmt", ["dense", "w8", "w8sym", "w4"])
 @pytest.mark.parametrize("m,k,rows,split", [(2, 224, 1, 1), (3, 256, 2, 2), (4, 192, 2, 1), (7, 160, 1, 3),
                                              (8, 96, 2, 1), (11, 128, 2, 2)])
 def test_gemv_of_several_x_rows_gives_each_rows_single_row_gemv_bit_for_bit(fmt: str, m: int, k: int, rows: int,
                                                                             split: int) -> None:
     """The GEMV of a few sequences (each weight converted once, summed against every row of x; up to 8 rows
-    of x a launch, so 11 rows run as 8 + 3) computes what the one-row GEMV computes for each row, bit for
-    bit: several K steps (7 and 5 of 32 columns: 224 and 160), K splits summed after, 1 or 2 weight rows a
-    program over a ragged N, bias and residual."""
+    of x a launch, 4 for w4, so 11 rows run as 8 + 3 or 4 + 4 + 3) computes what the one-row GEMV computes
+    for each row, bit for bit: several K steps (7 and 5 of 32 columns: 224 and 160), K splits summed after,
+    1 or 2 weight rows a program over a ragged N, bias and residual."""
     torch.manual_seed(m * k)
     w = _weight(fmt, 9, k, torch.float16, bias=True)
     x = torch.randn(m, k).to(torch.float16)
@@ -326,12 +326,11 @@ def test_gemv_of_several_x_rows_gives_each_rows_single_row_gemv_bit_for_bit(fmt:
     assert (got.float() - want.float()).abs().max().item() <= 8e-3 * want.float().abs().max().item()
 
 
-def test_gemv_of_several_x_rows_refuses_w4_and_four_weight_rows() -> None:
+@pytest.mark.parametrize("fmt", ["w8", "w4"])
+def test_gemv_of_several_x_rows_refuses_four_weight_rows_a_program(fmt: str) -> None:
     x = torch.randn(3, 64).to(torch.float16)
-    with pytest.raises(ValueError, match="dense or w8"):
-        tlin.linear(x, _weight("w4", 8, 64, torch.float16, bias=False), tlin.LinearConfig("gemv", 1, 2, 32, 1))
-    with pytest.raises(ValueError, match="1 or 2 rows a program"):
-        tlin.linear(x, _weight("w8", 8, 64, torch.float16, bias=False), tlin.LinearConfig("gemv", 1, 4, 32, 1))
+    with pytest.raises(ValueError, match="1 or 2 weight rows a program, not 4"):
+        tlin.linear(x, _weight(fmt, 8, 64, torch.float16, bias=False), tlin.LinearConfig("gemv", 1, 4, 32, 1))
 
 
 @pytest.mark.parametrize("vocab", [1, 37, 4096, 10000])

@@ -133,24 +133,35 @@ def compile_gemv(fmt: str, n: int, k: int, arch: int = 90, **forms: bool):
     return compiled, cfg
 
 
-def compile_gemv_x_rows(n: int, k: int, xrows: int, arch: int = 90, sym: bool = True):
-    """Triton's compiled GEMV of several x rows (bf16) against an [n, k] w8 weight, as `linear` launches it
-    on an H200 (its launch rule for 2 sequences: the kernel takes 1-8 rows of x a launch with that config)."""
+def compile_gemv_x_rows(n: int, k: int, xrows: int, arch: int = 90, sym: bool = True, fmt: str = "w8"):
+    """Triton's compiled GEMV of several x rows (bf16) against an [n, k] w8 or w4 weight, as `linear`
+    launches it on an H200 (its launch rule for 2 sequences: the kernel takes 1-8 rows of x a launch, 1-4
+    for w4, with that config)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    cfg = tlin.choose_config(2, n, k, "w8", torch.device("cuda"), sm_count=H200_SMS)
-    per, _ = tlin._k_split(k, cfg.block_k, cfg.split)
-    constexprs = dict(FORMAT=1, HAS_BIAS=False, SPLIT=cfg.split > 1, EVEN_K=k % cfg.block_k == 0, GROUP_SIZE=32,
-                      ROWS=cfg.block_n, XROWS=xrows, BLOCK_K=cfg.block_k, VEC=16, RESIDUAL=True, PDL=arch >= 90,
-                      ASM=True, EXACT=False, SYM=sym)
-    pointers = {"x_ptr": "*bf16", "w_ptr": "*u8", "scale_ptr": "*fp16", "min_ptr": "*fp16", "bias_ptr": "*bf16",
-                "out_ptr": "*bf16", "part_ptr": "*fp32", "res_ptr": "*bf16"}
-    ints = {"M": xrows, "N": n, "K": k, "k_per_split": per, "stride_xm": k, "stride_wn": k, "stride_sn": k // 32,
-            "stride_om": n, "stride_rm": n}
-    sig, consts, attrs = _signature(tlin._gemv_x_rows_kernel, pointers, ints, constexprs)
-    compiled = triton.compile(ASTSource(fn=tlin._gemv_x_rows_kernel, signature=sig, constexprs=consts, attrs=attrs),
+    cfg = tlin.choose_config(2, n, k, fmt, torch.device("cuda"), sm_count=H200_SMS)
+    step = _step(fmt, cfg)
+    row = k // 2 if fmt == "w4" else k
+    per, _ = tlin._k_split(row, step, cfg.split)
+    constexprs = dict(HAS_BIAS=False, SPLIT=cfg.split > 1, EVEN_K=row % step == 0, GROUP_SIZE=32, ROWS=cfg.block_n,
+                      XROWS=xrows, RESIDUAL=True, PDL=arch >= 90, ASM=True, EXACT=False)
+    pointers = {"w_ptr": "*u8", "scale_ptr": "*fp16", "min_ptr": "*fp16", "bias_ptr": "*bf16", "out_ptr": "*bf16",
+                "part_ptr": "*fp32", "res_ptr": "*bf16"}
+    ints = {"M": xrows, "N": n, "stride_wn": row, "stride_sn": k // 32, "stride_om": n, "stride_rm": n}
+    if fmt == "w4":
+        fn = tlin._gemv_w4_x_rows_kernel
+        constexprs.update(X_KIND=0, BLOCK_KB=step)
+        pointers["xw_ptr"] = "*i32"
+        ints.update(KB=row, kb_per_split=per, stride_xw=row)
+    else:
+        fn = tlin._gemv_x_rows_kernel
+        constexprs.update(FORMAT=1, BLOCK_K=step, VEC=16, SYM=sym)
+        pointers["x_ptr"] = "*bf16"
+        ints.update(K=k, k_per_split=per, stride_xm=k)
+    sig, consts, attrs = _signature(fn, pointers, ints, constexprs)
+    compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
                               target=GPUTarget("cuda", arch, 32),
                               options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
                                        "enable_fp_fusion": True})
@@ -165,11 +176,13 @@ def gemv_loop(fmt: str, n: int, k: int, arch: int = 90) -> tuple[LoopStats, tlin
     return _loop_stats(compiled, cfg.block_n * step_weights / (32 * cfg.num_warps)), cfg
 
 
-def gemv_x_rows_loop(n: int, k: int, xrows: int, arch: int = 90) -> tuple[LoopStats, tlin.LinearConfig]:
+def gemv_x_rows_loop(n: int, k: int, xrows: int, arch: int = 90,
+                     fmt: str = "w8") -> tuple[LoopStats, tlin.LinearConfig]:
     """compile_gemv_x_rows' K loop counted; weights_per_iteration counts each weight once, however many
     rows of x it meets."""
-    compiled, cfg = compile_gemv_x_rows(n, k, xrows, arch)
-    return _loop_stats(compiled, cfg.block_n * cfg.block_k / (32 * cfg.num_warps)), cfg
+    compiled, cfg = compile_gemv_x_rows(n, k, xrows, arch, fmt=fmt)
+    step_weights = _step(fmt, cfg) * (2 if fmt == "w4" else 1)
+    return _loop_stats(compiled, cfg.block_n * step_weights / (32 * cfg.num_warps)), cfg
 
 
 def _loop_stats(compiled, weights_per_iteration: float) -> LoopStats:
