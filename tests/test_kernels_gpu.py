@@ -93,11 +93,11 @@ def test_linear_gemv_variants(fmt: str) -> None:
 
 
 @pytest.mark.parametrize("fmt", ["w8", "w8sym", "w4"])
-@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336), (4099, 2048)])
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336), (4099, 2048), (960, 576), (576, 1536)])
 def test_gemv_of_several_x_rows_at_real_shapes_gives_the_single_row_gemvs_bits(n: int, k: int, fmt: str) -> None:
-    """A few sequences of grouped w8 through the GEMV of several x rows (the launch choose_config gives 2 rows,
-    for 2-8 rows of x): each row's result the one-row GEMV's bit for bit, with the residual, and within
-    bfloat16's error of the reference."""
+    """A few sequences of grouped w8 or w4 through the GEMV of several x rows (the launch choose_config gives 2
+    rows, for 2-8 rows of x; SmolLM2's short rows among the shapes): each row's result the one-row GEMV's bit
+    for bit, with the residual, and within bfloat16's error of the reference."""
     w = make_weight(fmt, n, k, torch.bfloat16, bias=False, seed=n + k)
     cfg = tlin.choose_config(2, n, k, w.format, torch.device(DEV))
     assert cfg.kind == "gemv", cfg
