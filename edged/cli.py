@@ -112,7 +112,8 @@ def build_parser(bench_arguments: bool = True) -> argparse.ArgumentParser:
     kern = bench_sub.add_parser("kernels", help="each kernel's GB/s or TFLOP/s against measured ceilings")
     kern.add_argument("--sweep", action="store_true", help="also time every decode GEMV launch configuration (rows a program, columns a step, warps, K splits) at each decode shape of SmolLM2, Llama-3.2-1B and Llama-3-8B against the built-in choice")
     sass = bench_sub.add_parser("sass", help="the decode GEMV's inner loop compiled for sm_90 here (no GPU needed): "
-                                             "instructions per weight, shared-memory and shuffle traffic")
+                                             "instructions per weight, shared-memory and shuffle traffic, registers, "
+                                             "programs an SM keeps and waves")
     if bench_arguments:
         from edged.bench.sass import add_arguments as add_sass_arguments
         add_sass_arguments(sass)

@@ -17,7 +17,7 @@ pytest.importorskip("triton")
 if os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("compiles for a GPU: not under the Triton interpreter", allow_module_level=True)
 
-from edged.bench.sass import compile_gemv, gemv_loop, gemv_x_rows_loop  # noqa: E402
+from edged.bench.sass import Residency, compile_gemv, gemv_loop, gemv_x_rows_loop, residency  # noqa: E402
 
 
 @pytest.mark.parametrize("fmt,shape", [("w8", (28672, 4096)), ("w4", (4096, 14336))])
@@ -73,12 +73,41 @@ def test_w4_gemv_of_several_x_rows_sums_whole_chunks_in_a_thread_at_shorter_rows
     assert stats.shared_or_shuffle == 0, stats.opcodes
 
 
+@pytest.mark.parametrize("registers,shared,warps,programs", [
+    (124, 1024, 4, 4), (40, 1024, 4, 12), (48, 1024, 4, 10),  # registers bind
+    (42, 1024, 4, 10),  # 42 a thread is 1,344 a warp, given as 1,536: 10 programs, not 12
+    (32, 0, 8, 8),  # 64 warps an SM bind as well
+    (16, 0, 1, 32),  # 32 programs an SM bind
+    (32, 100000, 4, 2),  # shared memory binds
+])
+def test_programs_an_sm_keeps_follow_the_sm_90_occupancy_limits(registers, shared, warps, programs) -> None:
+    held = Residency(registers, shared, warps)
+    assert held.programs_per_sm == programs
+    assert held.waves(132 * programs * 3 // 2) == pytest.approx(1.5)
+
+
+def test_residency_reads_each_compiled_gemvs_own_register_count() -> None:
+    """The 8B's gate_up GEMV (4 rows of 4096 bytes a step) holds more registers a thread than its qkv one (2
+    rows of 2048), so an SM keeps fewer of its programs."""
+    small, small_cfg = compile_gemv("w8", 6144, 4096)
+    large, large_cfg = compile_gemv("w8", 28672, 4096)
+    assert (small_cfg.block_n, small_cfg.block_k, large_cfg.block_n, large_cfg.block_k) == (2, 2048, 4, 4096)
+    held_small, held_large = residency(small, small_cfg.num_warps), residency(large, large_cfg.num_warps)
+    assert 16 <= held_small.registers < held_large.registers <= 255
+    assert held_small.programs_per_sm > held_large.programs_per_sm >= 1
+
+
 def test_bench_sass_prints_a_row_per_shape_and_format() -> None:
     r = subprocess.run([sys.executable, "-m", "edged.cli", "bench", "sass", "--shapes", "smollm2-135m qkv",
                         "--quant", "w8,w4"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     rows = [line for line in r.stdout.splitlines() if line.startswith("smollm2-135m qkv")]
     assert [row.split()[3] for row in rows] == ["w8", "w4"], r.stdout
+    for row in rows:  # registers, programs an SM keeps, programs, waves: whole numbers and a fraction
+        cells = dict(zip(("regs", "prog/SM", "programs", "waves"), row.split()[9:13]))
+        assert 16 <= int(cells["regs"]) <= 255 and int(cells["prog/SM"]) >= 1, row
+        assert float(cells["waves"]) == pytest.approx(int(cells["programs"]) / (132 * int(cells["prog/SM"])),
+                                                      abs=0.01), row
     bad = subprocess.run([sys.executable, "-m", "edged.cli", "bench", "sass", "--shapes", "no such shape"],
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "unknown shapes" in bad.stderr

@@ -5,7 +5,9 @@ H200's 132 SMs) to SASS for sm_90 on this machine (Triton's own ptxas and nvdisa
 instructions of the kernel's longest loop per weight it streams, and how many of them move data through
 shared memory or between threads (a layout conversion the loop should not have). A GEMV of this kind is
 bound by that issue rate once it is below HBM speed, so the count shows the effect of a kernel change
-before any device time is spent (docs/BENCHMARKS.md, issue 16).
+before any device time is spent (docs/BENCHMARKS.md, issue 16). It also prints the registers a thread
+holds (ptxas' count, read by cuobjdump), how many programs an SM keeps at once by them, and how many waves
+the launch makes of those: the loads a GEMV has in flight, and the part-empty last wave.
 """
 from __future__ import annotations
 
@@ -24,6 +26,8 @@ from edged.kernels import triton_linear as tlin
 
 H200_SMS = 132
 SHARED_OR_SHUFFLE = ("BAR", "SHFL", "LDS", "STS", "STSM", "LDSM")
+# an sm_90 SM's limits on resident programs (CUDA occupancy rules): registers, warps, blocks, shared memory
+SM_REGISTERS, SM_WARPS, SM_BLOCKS, SM_SHARED, BLOCK_SHARED_RESERVED = 65536, 64, 32, 233472, 1024
 
 
 @dataclass
@@ -42,6 +46,43 @@ class LoopStats:
     @property
     def shared_or_shuffle(self) -> int:
         return sum(self.opcodes[op] for op in SHARED_OR_SHUFFLE)
+
+
+@dataclass
+class Residency:
+    """What one program of a compiled kernel holds (ptxas' count), and how many of them an sm_90 SM keeps
+    at once: a GEMV streams only as many bytes as its resident programs have loads in flight."""
+
+    registers: int  # per thread
+    shared: int  # bytes per program
+    num_warps: int
+
+    @property
+    def programs_per_sm(self) -> int:
+        per_warp = -(-self.registers * 32 // 256) * 256  # registers are given to a warp 256 at a time
+        by_shared = SM_SHARED // (self.shared + BLOCK_SHARED_RESERVED)
+        return min(SM_REGISTERS // (per_warp * self.num_warps), SM_WARPS // self.num_warps, SM_BLOCKS, by_shared)
+
+    def waves(self, programs: int, sms: int = H200_SMS) -> float:
+        """The launch's programs over what all SMs keep at once: a fraction above a whole number is a last
+        wave that leaves SMs part idle."""
+        return programs / (sms * self.programs_per_sm)
+
+
+def residency(compiled, num_warps: int) -> Residency:
+    """Registers and shared memory of a compiled kernel, as cuobjdump (shipped with Triton) reads its cubin."""
+    import triton
+
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        usage = subprocess.run([str(cuobjdump), "--dump-resource-usage", cubin.name], capture_output=True,
+                               text=True, check=True).stdout
+    registers, shared = re.search(r"REG:(\d+)", usage), re.search(r"SHARED:(\d+)", usage)
+    if not registers or not shared:
+        raise RuntimeError(f"cuobjdump gave no resource usage: {usage!r}")
+    return Residency(int(registers.group(1)), int(shared.group(1)), num_warps)
 
 
 def longest_loop(sass: str) -> list[str]:
@@ -171,9 +212,17 @@ def compile_gemv_x_rows(n: int, k: int, xrows: int, arch: int = 90, sym: bool = 
 def gemv_loop(fmt: str, n: int, k: int, arch: int = 90) -> tuple[LoopStats, tlin.LinearConfig]:
     """Compile the bf16 decode GEMV of an [n, k] w8 or w4 weight as `linear` launches it on an H200 and
     count its K loop."""
+    stats, _, cfg = gemv_loop_and_residency(fmt, n, k, arch)
+    return stats, cfg
+
+
+def gemv_loop_and_residency(fmt: str, n: int, k: int, arch: int = 90
+                            ) -> tuple[LoopStats, Residency, tlin.LinearConfig]:
+    """gemv_loop, with what a program of that GEMV holds and how many an SM keeps."""
     compiled, cfg = compile_gemv(fmt, n, k, arch)
     step_weights = _step(fmt, cfg) * (2 if fmt == "w4" else 1)
-    return _loop_stats(compiled, cfg.block_n * step_weights / (32 * cfg.num_warps)), cfg
+    stats = _loop_stats(compiled, cfg.block_n * step_weights / (32 * cfg.num_warps))
+    return stats, residency(compiled, cfg.num_warps), cfg
 
 
 def gemv_x_rows_loop(n: int, k: int, xrows: int, arch: int = 90,
@@ -208,16 +257,19 @@ def run_sass_bench(args: argparse.Namespace) -> int:
         print(f"edged bench sass: unknown shapes {unknown}; known: {', '.join(shapes)}", file=sys.stderr)
         return 2
     print(f"decode GEMV (M = 1, bf16 x) compiled for sm_{args.arch}, as launched on an H200; its K loop per "
-          "thread and step")
+          "thread and step; registers a thread, programs an SM keeps (occupancy), the launch's programs and its "
+          f"waves over {H200_SMS} SMs")
     print(f"{'shape':26} {'N x K':>14} {'fmt':4} {'rows':>4} {'cols':>5} {'instr':>6} {'/weight':>8} "
-          f"{'shared/shfl':>11}  top opcodes")
+          f"{'shared/shfl':>11} {'regs':>4} {'prog/SM':>7} {'programs':>8} {'waves':>6}  top opcodes")
     for name in wanted:
         n, k = shapes[name]
         for fmt in args.quant.split(","):
-            stats, cfg = gemv_loop(fmt, n, k, args.arch)
+            stats, held, cfg = gemv_loop_and_residency(fmt, n, k, args.arch)
+            programs = -(-n // cfg.block_n) * cfg.split
             top = " ".join(f"{op} {c}" for op, c in stats.opcodes.most_common(5))
             print(f"{name:26} {f'{n}x{k}':>14} {fmt:4} {cfg.block_n:>4} {cfg.block_k:>5} {stats.instructions:>6} "
-                  f"{stats.per_weight:>8.2f} {stats.shared_or_shuffle:>11}  {top}", flush=True)
+                  f"{stats.per_weight:>8.2f} {stats.shared_or_shuffle:>11} {held.registers:>4} "
+                  f"{held.programs_per_sm:>7} {programs:>8} {held.waves(programs):>6.2f}  {top}", flush=True)
     return 0
 
 
