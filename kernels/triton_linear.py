@@ -1107,7 +1107,8 @@ class LinearConfig:
     """Launch parameters. GEMV: block_n (1, 2 or 4) weight rows per program, block_k weights a step.
     Matmul: block_m x block_n tiles over block_k. split: K splits. swap, prefetch: the grouped w8
     matmul's forms (_matmul_kernel); other weights ignore them. asm_dequant: the grouped w8 matmul's bytes
-    to floats by inline PTX (on a GPU that takes it; the interpreter never does)."""
+    to floats by inline PTX (on a GPU that takes it; the interpreter never does). max_registers: a cap on
+    the one-row GEMV's registers a thread (ptxas' maxnreg), so that an SM keeps more of its programs."""
 
     kind: str  # "gemv" | "matmul" | "torch"
     block_m: int = 16
@@ -1119,6 +1120,7 @@ class LinearConfig:
     swap: bool = False
     prefetch: bool = False
     asm_dequant: bool = False
+    max_registers: int | None = None
 
 
 _SM_COUNT: dict[int, int] = {}
@@ -1397,6 +1399,7 @@ def linear(x: torch.Tensor, w: LinearWeight, config: LinearConfig | None = None,
     rows_per_program = max(cfg.block_n, 2) if silu_mul_out else cfg.block_n  # a gate row and its up row
     # programs of the GEMV: each makes rows_per_program results, or half as many gated outputs
     programs = triton.cdiv(n // 2, rows_per_program // 2) if silu_mul_out else triton.cdiv(n, rows_per_program)
+    cap = {"maxnreg": cfg.max_registers} if cfg.max_registers else {}
     if fmt == 2 and cfg.kind == "gemv":
         kb = k // 2  # bytes a row; a whole number of 16-byte chunks since groups are >= 32 weights
         block_kb = max(16, cfg.block_k // 2)
@@ -1407,7 +1410,7 @@ def linear(x: torch.Tensor, w: LinearWeight, config: LinearConfig | None = None,
             scale.stride(0), X_KIND=_X_KINDS[x.dtype], HAS_BIAS=w.bias is not None, SPLIT=split > 1,
             EVEN_K=kb % block_kb == 0, GROUP_SIZE=w.group_size, ROWS=rows_per_program, BLOCK_KB=block_kb,
             RESIDUAL=res2 is not None, **fused, ASM=asm_conversions(x.device), EXACT=exact, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages, **pdl_launch(x.device))
+            num_stages=cfg.num_stages, **cap, **pdl_launch(x.device))
     else:
         block_k = max(cfg.block_k, 32)
         row_group = fmt == 1 and w.group_size == k
@@ -1420,7 +1423,8 @@ def linear(x: torch.Tensor, w: LinearWeight, config: LinearConfig | None = None,
                 HAS_BIAS=w.bias is not None, SPLIT=split > 1, EVEN_K=even_k, GROUP_SIZE=max(w.group_size, 1),
                 ROWS=rows_per_program, BLOCK_K=block_k,
                 VEC=16 // data.element_size(), RESIDUAL=res2 is not None, **fused, ASM=asm_conversions(x.device),
-                EXACT=exact, SYM=sym, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(x.device))
+                EXACT=exact, SYM=sym, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **cap,
+                **pdl_launch(x.device))
         else:
             tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
             _matmul_kernel[(tiles, split)](

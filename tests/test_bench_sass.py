@@ -97,6 +97,18 @@ def test_residency_reads_each_compiled_gemvs_own_register_count() -> None:
     assert held_small.programs_per_sm > held_large.programs_per_sm >= 1
 
 
+def test_a_register_cap_lets_an_sm_keep_more_of_the_large_gemvs_programs() -> None:
+    """LinearConfig.max_registers (ptxas' maxnreg) at 96 on the 8B's gate_up GEMV (124 registers uncapped):
+    at most 96 registers, more programs an SM, the same loop within a few instructions, no spills."""
+    free, cfg = compile_gemv("w8", 28672, 4096)
+    capped, capped_cfg = compile_gemv("w8", 28672, 4096, max_registers=96)
+    assert cfg.max_registers is None and capped_cfg.max_registers == 96
+    held_free, held_capped = residency(free, cfg.num_warps), residency(capped, cfg.num_warps)
+    assert held_capped.registers <= 96 < held_free.registers
+    assert held_capped.programs_per_sm > held_free.programs_per_sm
+    assert held_capped.stack == 0
+
+
 def test_bench_sass_prints_a_row_per_shape_and_format() -> None:
     r = subprocess.run([sys.executable, "-m", "edged.cli", "bench", "sass", "--shapes", "smollm2-135m qkv",
                         "--quant", "w8,w4"], capture_output=True, text=True, timeout=300)
@@ -104,7 +116,7 @@ def test_bench_sass_prints_a_row_per_shape_and_format() -> None:
     rows = [line for line in r.stdout.splitlines() if line.startswith("smollm2-135m qkv")]
     assert [row.split()[3] for row in rows] == ["w8", "w4"], r.stdout
     for row in rows:  # registers, programs an SM keeps, programs, waves: whole numbers and a fraction
-        cells = dict(zip(("regs", "prog/SM", "programs", "waves"), row.split()[9:13]))
+        cells = dict(zip(("regs", "stack", "prog/SM", "programs", "waves"), row.split()[9:14]))
         assert 16 <= int(cells["regs"]) <= 255 and int(cells["prog/SM"]) >= 1, row
         assert float(cells["waves"]) == pytest.approx(int(cells["programs"]) / (132 * int(cells["prog/SM"])),
                                                       abs=0.01), row

@@ -6,6 +6,7 @@ Errors are relative, ||out - ref|| / ||ref||, against the reference run in float
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -90,6 +91,20 @@ def test_linear_gemv_variants(fmt: str) -> None:
         for block_k, split in ((1024, 1), (2048, 3), (4096, 2)):
             cfg = tlin.LinearConfig("gemv", 1, rows, block_k, split, num_warps=4 if block_k < 4096 else 8)
             assert rel_err(tlin.linear(x, w, cfg), want) < REL[torch.bfloat16], (rows, block_k, split)
+
+
+@pytest.mark.parametrize("fmt", ["w8", "w8sym", "w4"])
+@pytest.mark.parametrize("n,k", [(28672, 4096), (4096, 14336)])
+def test_a_register_cap_leaves_the_decode_gemv_bit_for_bit(n: int, k: int, fmt: str) -> None:
+    """LinearConfig.max_registers (ptxas' maxnreg) at the 8B's gate_up and down, with the residual: the same
+    result bit for bit as the launch rule's uncapped GEMV, at a cap that makes it spill and one that does not."""
+    w = make_weight(fmt, n, k, torch.bfloat16, bias=False, seed=n + k + 2)
+    x = torch.randn(1, k, device=DEV).bfloat16()
+    res = torch.randn(1, n, device=DEV).bfloat16()
+    cfg = tlin.choose_config(1, n, k, w.format, torch.device(DEV))
+    want = tlin.linear(x, w, cfg, residual=res)
+    for cap in (96, 64):
+        assert torch.equal(tlin.linear(x, w, replace(cfg, max_registers=cap), residual=res), want), cap
 
 
 @pytest.mark.parametrize("fmt", ["w8", "w8sym", "w4"])

@@ -17,7 +17,7 @@ import re
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -56,6 +56,7 @@ class Residency:
     registers: int  # per thread
     shared: int  # bytes per program
     num_warps: int
+    stack: int = 0  # bytes a thread spills to local memory (under a register cap)
 
     @property
     def programs_per_sm(self) -> int:
@@ -79,10 +80,10 @@ def residency(compiled, num_warps: int) -> Residency:
         cubin.flush()
         usage = subprocess.run([str(cuobjdump), "--dump-resource-usage", cubin.name], capture_output=True,
                                text=True, check=True).stdout
-    registers, shared = re.search(r"REG:(\d+)", usage), re.search(r"SHARED:(\d+)", usage)
-    if not registers or not shared:
+    found = {key: re.search(rf"{key}:(\d+)", usage) for key in ("REG", "SHARED", "STACK")}
+    if not all(found.values()):
         raise RuntimeError(f"cuobjdump gave no resource usage: {usage!r}")
-    return Residency(int(registers.group(1)), int(shared.group(1)), num_warps)
+    return Residency(int(found["REG"].group(1)), int(found["SHARED"].group(1)), num_warps, int(found["STACK"].group(1)))
 
 
 def longest_loop(sass: str) -> list[str]:
@@ -138,15 +139,17 @@ def _step(fmt: str, cfg: tlin.LinearConfig) -> int:
     return max(16, cfg.block_k // 2) if fmt == "w4" else cfg.block_k
 
 
-def compile_gemv(fmt: str, n: int, k: int, arch: int = 90, **forms: bool):
+def compile_gemv(fmt: str, n: int, k: int, arch: int = 90, max_registers: int | None = None, **forms: bool):
     """Triton's compiled decode GEMV of an [n, k] w8 or w4 weight and bf16 x, as `linear` launches it on
     an H200, with the fused forms given (NORM, SILU, RESIDUAL, HAS_BIAS, GATED: off unless named), and
-    the launch rule's config. Compiles for the GPU without one (Triton's own ptxas)."""
+    the launch rule's config (its registers capped at max_registers where given, as
+    LinearConfig.max_registers caps them). Compiles for the GPU without one (Triton's own ptxas)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     cfg = tlin.choose_config(1, n, k, fmt, torch.device("cuda"), sm_count=H200_SMS)
+    cfg = replace(cfg, max_registers=max_registers or cfg.max_registers)
     common = dict(HAS_BIAS=False, SPLIT=cfg.split > 1, GROUP_SIZE=32, ROWS=cfg.block_n, NORM=False, SILU=False,
                   RESIDUAL=False, PDL=arch >= 90, ASM=True, GATED=False, EXACT=False, SYM=fmt == "w8")
     common.update(forms)
@@ -167,10 +170,11 @@ def compile_gemv(fmt: str, n: int, k: int, arch: int = 90, **forms: bool):
     pointers.update({"scale_ptr": "*fp16", "min_ptr": "*fp16", "bias_ptr": "*bf16", "out_ptr": "*bf16",
                      "part_ptr": "*fp32", "counters_ptr": "*i32", "res_ptr": "*bf16"})
     sig, consts, attrs = _signature(fn, pointers, ints, constexprs)
+    cap = {"maxnreg": cfg.max_registers} if cfg.max_registers else {}
     compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
                               target=GPUTarget("cuda", arch, 32),
                               options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
-                                       "enable_fp_fusion": True})  # as the kernels launch (a * b + c -> FMA)
+                                       "enable_fp_fusion": True, **cap})  # as the kernels launch (a * b + c -> FMA)
     return compiled, cfg
 
 
@@ -216,10 +220,10 @@ def gemv_loop(fmt: str, n: int, k: int, arch: int = 90) -> tuple[LoopStats, tlin
     return stats, cfg
 
 
-def gemv_loop_and_residency(fmt: str, n: int, k: int, arch: int = 90
+def gemv_loop_and_residency(fmt: str, n: int, k: int, arch: int = 90, max_registers: int | None = None
                             ) -> tuple[LoopStats, Residency, tlin.LinearConfig]:
     """gemv_loop, with what a program of that GEMV holds and how many an SM keeps."""
-    compiled, cfg = compile_gemv(fmt, n, k, arch)
+    compiled, cfg = compile_gemv(fmt, n, k, arch, max_registers)
     step_weights = _step(fmt, cfg) * (2 if fmt == "w4" else 1)
     stats = _loop_stats(compiled, cfg.block_n * step_weights / (32 * cfg.num_warps))
     return stats, residency(compiled, cfg.num_warps), cfg
@@ -257,18 +261,18 @@ def run_sass_bench(args: argparse.Namespace) -> int:
         print(f"edged bench sass: unknown shapes {unknown}; known: {', '.join(shapes)}", file=sys.stderr)
         return 2
     print(f"decode GEMV (M = 1, bf16 x) compiled for sm_{args.arch}, as launched on an H200; its K loop per "
-          "thread and step; registers a thread, programs an SM keeps (occupancy), the launch's programs and its "
-          f"waves over {H200_SMS} SMs")
+          "thread and step; registers a thread and bytes it spills, programs an SM keeps (occupancy), the launch's "
+          f"programs and its waves over {H200_SMS} SMs")
     print(f"{'shape':26} {'N x K':>14} {'fmt':4} {'rows':>4} {'cols':>5} {'instr':>6} {'/weight':>8} "
-          f"{'shared/shfl':>11} {'regs':>4} {'prog/SM':>7} {'programs':>8} {'waves':>6}  top opcodes")
+          f"{'shared/shfl':>11} {'regs':>4} {'stack':>5} {'prog/SM':>7} {'programs':>8} {'waves':>6}  top opcodes")
     for name in wanted:
         n, k = shapes[name]
         for fmt in args.quant.split(","):
-            stats, held, cfg = gemv_loop_and_residency(fmt, n, k, args.arch)
+            stats, held, cfg = gemv_loop_and_residency(fmt, n, k, args.arch, args.max_registers)
             programs = -(-n // cfg.block_n) * cfg.split
             top = " ".join(f"{op} {c}" for op, c in stats.opcodes.most_common(5))
             print(f"{name:26} {f'{n}x{k}':>14} {fmt:4} {cfg.block_n:>4} {cfg.block_k:>5} {stats.instructions:>6} "
-                  f"{stats.per_weight:>8.2f} {stats.shared_or_shuffle:>11} {held.registers:>4} "
+                  f"{stats.per_weight:>8.2f} {stats.shared_or_shuffle:>11} {held.registers:>4} {held.stack:>5} "
                   f"{held.programs_per_sm:>7} {programs:>8} {held.waves(programs):>6.2f}  {top}", flush=True)
     return 0
 
@@ -277,5 +281,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shapes", help="decode shapes by name, comma-separated, e.g. 'llama-3-8b gate_up' "
                                          "(default: every linear of SmolLM2, Llama-3.2-1B and Llama-3-8B)")
     parser.add_argument("--quant", default="w8,w4", help="weight formats: w8, w4 or both (default: w8,w4)")
+    parser.add_argument("--max-registers", type=int, default=None, metavar="N",
+                        help="cap each GEMV's registers a thread at N (ptxas' maxnreg, as LinearConfig.max_registers "
+                             "does; default: the launch rule's, no cap)")
     parser.add_argument("--arch", type=int, default=90, help="the CUDA compute capability to compile for, "
                                                              "as major * 10 + minor (default: 90, Hopper)")
