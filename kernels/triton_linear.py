@@ -828,10 +828,8 @@ def _gemv_w4_x_rows_kernel(xw_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr,
     gives for x[m], bit for bit; the bias and the residual add, no other fused form."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    i0, i1, _, _, n = _gemv_rows(pid_n, N, ROWS, False)
-    r0, r1, _, _ = _row_ptrs(w_ptr, i0, i1, i1, i1, stride_wn)
-    s0, s1, _, _ = _row_ptrs(scale_ptr, i0, i1, i1, i1, stride_sn)
-    m0, m1, _, _ = _row_ptrs(min_ptr, i0, i1, i1, i1, stride_sn)
+    n, r0, r1, _, _, s0, s1, _, _, m0, m1, _, _ = _program_rows(pid_n, N, w_ptr, scale_ptr, min_ptr, stride_wn,
+                                                                 stride_sn, ROWS, False)
     C: tl.constexpr = BLOCK_KB // 16
     chunk, byte0, b_lo, b_hi = _split_columns(pid_k, kb_per_split, KB, C, 16)
     a00 = tl.zeros([C], dtype=tl.float32)
