@@ -70,16 +70,33 @@ class Residency:
         return programs / (sms * self.programs_per_sm)
 
 
-def residency(compiled, num_warps: int) -> Residency:
-    """Registers and shared memory of a compiled kernel, as cuobjdump (shipped with Triton) reads its cubin."""
+def _read_cubin(compiled, tool: str, *flags: str) -> str:
+    """What one of Triton's own CUDA tools (nvdisasm, cuobjdump) prints of a compiled kernel's cubin."""
     import triton
 
-    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    path = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / tool
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])
         cubin.flush()
-        usage = subprocess.run([str(cuobjdump), "--dump-resource-usage", cubin.name], capture_output=True,
-                               text=True, check=True).stdout
+        return subprocess.run([str(path), *flags, cubin.name], capture_output=True, text=True, check=True).stdout
+
+
+def _compile(fn, sig: dict, consts: dict, attrs: dict, arch: int, cfg: tlin.LinearConfig):
+    """triton.compile of one launch for a GPU that need not be here, with cfg's warps, stages and register cap."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    cap = {"maxnreg": cfg.max_registers} if cfg.max_registers else {}
+    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+                          target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
+                                   "enable_fp_fusion": True, **cap})  # as the kernels launch (a * b + c -> FMA)
+
+
+def residency(compiled, num_warps: int) -> Residency:
+    """Registers and shared memory of a compiled kernel, as cuobjdump (shipped with Triton) reads its cubin."""
+    usage = _read_cubin(compiled, "cuobjdump", "--dump-resource-usage")
     found = {key: re.search(rf"{key}:(\d+)", usage) for key in ("REG", "SHARED", "STACK")}
     if not all(found.values()):
         raise RuntimeError(f"cuobjdump gave no resource usage: {usage!r}")
@@ -144,10 +161,6 @@ def compile_gemv(fmt: str, n: int, k: int, arch: int = 90, max_registers: int | 
     an H200, with the fused forms given (NORM, SILU, RESIDUAL, HAS_BIAS, GATED: off unless named), and
     the launch rule's config (its registers capped at max_registers where given, as
     LinearConfig.max_registers caps them). Compiles for the GPU without one (Triton's own ptxas)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     cfg = tlin.choose_config(1, n, k, fmt, torch.device("cuda"), sm_count=H200_SMS)
     cfg = replace(cfg, max_registers=max_registers or cfg.max_registers)
     common = dict(HAS_BIAS=False, SPLIT=cfg.split > 1, GROUP_SIZE=32, ROWS=cfg.block_n, NORM=False, SILU=False,
@@ -169,23 +182,13 @@ def compile_gemv(fmt: str, n: int, k: int, arch: int = 90, max_registers: int | 
             "stride_wn": row, "stride_sn": k // 32}
     pointers.update({"scale_ptr": "*fp16", "min_ptr": "*fp16", "bias_ptr": "*bf16", "out_ptr": "*bf16",
                      "part_ptr": "*fp32", "counters_ptr": "*i32", "res_ptr": "*bf16"})
-    sig, consts, attrs = _signature(fn, pointers, ints, constexprs)
-    cap = {"maxnreg": cfg.max_registers} if cfg.max_registers else {}
-    compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
-                              target=GPUTarget("cuda", arch, 32),
-                              options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
-                                       "enable_fp_fusion": True, **cap})  # as the kernels launch (a * b + c -> FMA)
-    return compiled, cfg
+    return _compile(fn, *_signature(fn, pointers, ints, constexprs), arch, cfg), cfg
 
 
 def compile_gemv_x_rows(n: int, k: int, xrows: int, arch: int = 90, sym: bool = True, fmt: str = "w8"):
     """Triton's compiled GEMV of several x rows (bf16) against an [n, k] w8 or w4 weight, as `linear`
     launches it on an H200 (its launch rule for 2 sequences: the kernel takes 1-8 rows of x a launch, 1-4
     for w4, with that config)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     cfg = tlin.choose_config(2, n, k, fmt, torch.device("cuda"), sm_count=H200_SMS)
     step = _step(fmt, cfg)
     row = k // 2 if fmt == "w4" else k
@@ -205,12 +208,7 @@ def compile_gemv_x_rows(n: int, k: int, xrows: int, arch: int = 90, sym: bool = 
         constexprs.update(FORMAT=1, BLOCK_K=step, VEC=16, SYM=sym)
         pointers["x_ptr"] = "*bf16"
         ints.update(K=k, k_per_split=per, stride_xm=k)
-    sig, consts, attrs = _signature(fn, pointers, ints, constexprs)
-    compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
-                              target=GPUTarget("cuda", arch, 32),
-                              options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
-                                       "enable_fp_fusion": True})
-    return compiled, cfg
+    return _compile(fn, *_signature(fn, pointers, ints, constexprs), arch, cfg), cfg
 
 
 def gemv_loop(fmt: str, n: int, k: int, arch: int = 90) -> tuple[LoopStats, tlin.LinearConfig]:
@@ -240,14 +238,7 @@ def gemv_x_rows_loop(n: int, k: int, xrows: int, arch: int = 90,
 
 def _loop_stats(compiled, weights_per_iteration: float) -> LoopStats:
     """The longest loop of a compiled kernel's SASS (nvdisasm, shipped with Triton), counted."""
-    import triton
-
-    nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-        cubin.write(compiled.asm["cubin"])
-        cubin.flush()
-        sass = subprocess.run([str(nvdisasm), "-c", cubin.name], capture_output=True, text=True, check=True).stdout
-    body = longest_loop(sass)
+    body = longest_loop(_read_cubin(compiled, "nvdisasm", "-c"))
     return LoopStats(len(body), collections.Counter(opcode(t) for t in body), weights_per_iteration)
 
 
