@@ -1167,7 +1167,11 @@ def choose_config(m: int, n: int, k: int, fmt: str, device: torch.device,
             block_k = 2048 if quantized and k > 1024 else 1024
         rows = 2 if (quantized and n <= 2048 and k <= 2048) or (fmt == "w8" and n <= 8192 and k >= 4096) else 4
         split = _pick_split(-(-n // rows), -(-k // block_k), 2 * sms, 2)
-        return LinearConfig("gemv", 1, rows, block_k, split, num_warps=4, num_stages=1)
+        # the large w8 GEMVs of 4096-column steps (8B gate_up, lm_head) compile to 124 registers, 4 programs an
+        # SM; capped at 104, 5 an SM without spills: H200 decode graph (session 25), 8B w8 batch 1 370.7 -> 383.6
+        # tok/s (cap 96 377.3, 88 381.5, 112 368.3); the 1B's 2048-column steps and w4 lose with a cap
+        cap = LARGE_GEMV_W8_MAX_REGISTERS if fmt == "w8" and block_k == 4096 else None
+        return LinearConfig("gemv", 1, rows, block_k, split, num_warps=4, num_stages=1, max_registers=cap)
     if fmt == "dense":
         return LinearConfig("torch")  # cuBLAS is at bandwidth for dense weights from M = 2 on
     short = k <= SHORT_K
@@ -1203,6 +1207,12 @@ def choose_config(m: int, n: int, k: int, fmt: str, device: torch.device,
             return LinearConfig("matmul", block_m, block_n, 64,
                                 _pick_split(-(-m // block_m) * -(-n // block_n), -(-k // 64), target, 4),
                                 num_warps=4, num_stages=3, swap=not plain, asm_dequant=plain)
+        if fmt == "w8" and block_m == 64 and short:
+            # SmolLM2's short rows at 33-64 rows: the plain form, bytes made floats by one prmt each, 64 x 64
+            # tiles, 2 programs an SM (H200 decode graph, session 25, tok/s at batch 48 / 64: 30,569 / 38,281
+            # against 27,223 / 34,246 for the swap form below; the 1B's and 8B's longer rows keep the swap form)
+            return LinearConfig("matmul", 64, 64, 64, _pick_split(-(-n // 64), -(-k // 64), 2 * sms, 4),
+                                num_warps=4, num_stages=3, asm_dequant=True)
         if fmt == "w8" and block_m == 64:
             # H200 sweep over the 1B / 8B decode linears at M = 64 (docs/BENCHMARKS.md, session 16):
             # the weight tile as the dot's first operand, 128 x 64 tiles, 2 programs an SM, 0.73x the
@@ -1247,6 +1257,7 @@ X_ROWS_GEMV_MAX = 3  # rows of x up to which grouped w8 and w4 take the GEMV of 
 X_ROWS_GEMV_MAX_SHORT_K = 4  # the same where rows are short (SmolLM2: K <= SHORT_K)
 X_ROWS_GEMV_MAX_SHORT_K_W4 = 8  # and for w4 where rows are short
 SHORT_K = 1536
+LARGE_GEMV_W8_MAX_REGISTERS = 104  # ptxas cap on the one-row w8 GEMVs of 4096-column steps (choose_config)
 X_ROWS_PER_LAUNCH = 8  # rows of x one _gemv_x_rows_kernel launch takes (at most 8)
 X_ROWS_PER_LAUNCH_W4 = 4  # and one _gemv_w4_x_rows_kernel launch (at most 4)
 

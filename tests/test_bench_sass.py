@@ -18,6 +18,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("compiles for a GPU: not under the Triton interpreter", allow_module_level=True)
 
 from edged.bench.sass import Residency, compile_gemv, gemv_loop, gemv_x_rows_loop, residency  # noqa: E402
+from edged.kernels import triton_linear as tlin  # noqa: E402
 
 
 @pytest.mark.parametrize("fmt,shape", [("w8", (28672, 4096)), ("w4", (4096, 14336))])
@@ -97,16 +98,21 @@ def test_residency_reads_each_compiled_gemvs_own_register_count() -> None:
     assert held_small.programs_per_sm > held_large.programs_per_sm >= 1
 
 
-def test_a_register_cap_lets_an_sm_keep_more_of_the_large_gemvs_programs() -> None:
-    """LinearConfig.max_registers (ptxas' maxnreg) at 96 on the 8B's gate_up GEMV (124 registers uncapped):
-    at most 96 registers, more programs an SM, the same loop within a few instructions, no spills."""
-    free, cfg = compile_gemv("w8", 28672, 4096)
+def test_a_register_cap_lets_an_sm_keep_more_of_the_large_gemvs_programs(monkeypatch) -> None:
+    """The 8B's gate_up GEMV holds 124 registers uncapped, 4 programs an SM. The launch rule caps it at
+    LARGE_GEMV_W8_MAX_REGISTERS (ptxas' maxnreg) and a cap of 96 is tighter still: each holds at most its cap,
+    keeps more programs an SM than the uncapped build, and spills nothing."""
+    ruled, cfg = compile_gemv("w8", 28672, 4096)
     capped, capped_cfg = compile_gemv("w8", 28672, 4096, max_registers=96)
-    assert cfg.max_registers is None and capped_cfg.max_registers == 96
-    held_free, held_capped = residency(free, cfg.num_warps), residency(capped, cfg.num_warps)
-    assert held_capped.registers <= 96 < held_free.registers
-    assert held_capped.programs_per_sm > held_free.programs_per_sm
-    assert held_capped.stack == 0
+    monkeypatch.setattr(tlin, "LARGE_GEMV_W8_MAX_REGISTERS", None)
+    free, free_cfg = compile_gemv("w8", 28672, 4096)
+    assert (free_cfg.max_registers, cfg.max_registers, capped_cfg.max_registers) == (None, 104, 96)
+    held_free = residency(free, cfg.num_warps)
+    for build, cap in ((ruled, 104), (capped, 96)):
+        held = residency(build, cfg.num_warps)
+        assert held.registers <= cap < held_free.registers, cap
+        assert held.programs_per_sm > held_free.programs_per_sm, cap
+        assert held.stack == 0, cap
 
 
 def test_bench_sass_prints_a_row_per_shape_and_format() -> None:

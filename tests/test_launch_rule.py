@@ -1,0 +1,44 @@
+"""choose_config's decode launches for an H200 (132 SMs) where the session 25 sweeps changed them: the register
+cap of the large one-row w8 GEMVs, and the plain matmul for SmolLM2's short rows at 33-64 sequences. The
+kernels each launch runs are tested on the GPU (test_kernels_gpu.py) and compiled in test_bench_sass.py."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from edged.kernels import triton_linear as tlin  # noqa: E402
+
+CUDA = torch.device("cuda")  # choose_config only reads the device's kind; sm_count stands for the H200's SMs
+
+
+def _config(m: int, n: int, k: int, fmt: str) -> tlin.LinearConfig:
+    return tlin.choose_config(m, n, k, fmt, CUDA, sm_count=132)
+
+
+def test_only_the_large_w8_gemvs_of_4096_column_steps_cap_their_registers() -> None:
+    """The cap measured faster only there (8B gate_up and lm_head, w8); the 1B's 2048-column steps, w4 and
+    the 8B's smaller w8 GEMVs measured slower with one (or have no registers to spare), so they stay uncapped."""
+    caps = {(fmt, n, k): _config(1, n, k, fmt).max_registers
+            for fmt in ("w8", "w4")
+            for n, k in ((28672, 4096), (128256, 4096), (6144, 4096), (4096, 14336), (16384, 2048))}
+    capped = {key for key, cap in caps.items() if cap is not None}
+    assert capped == {("w8", 28672, 4096), ("w8", 128256, 4096)}, caps
+    assert {caps[key] for key in capped} == {tlin.LARGE_GEMV_W8_MAX_REGISTERS}
+    assert _config(2, 28672, 4096, "w8").max_registers is None  # batches take other kernels
+    assert _config(1, 28672, 4096, "dense").max_registers is None
+
+
+@pytest.mark.parametrize("m", [33, 48, 64])
+def test_short_w8_rows_at_33_to_64_sequences_take_the_plain_matmul_with_ptx_dequant(m: int) -> None:
+    """SmolLM2's layers (K <= SHORT_K) at 33-64 rows: 64 x 64 tiles, the weight not swapped, bytes to floats
+    by PTX; the 1B's and 8B's longer rows keep the swap form's 128-wide tiles."""
+    for n, k in ((960, 576), (576, 1536), (3072, 576)):
+        cfg = _config(m, n, k, "w8")
+        assert (cfg.kind, cfg.block_m, cfg.block_n, cfg.block_k) == ("matmul", 64, 64, 64), (n, k, cfg)
+        assert (cfg.swap, cfg.asm_dequant) == (False, True), (n, k, cfg)
+    for n, k in ((6144, 4096), (4096, 14336), (3072, 2048)):
+        cfg = _config(m, n, k, "w8")
+        assert (cfg.block_n, cfg.swap, cfg.asm_dequant) == (128, True, False), (n, k, cfg)
+    assert not _config(m, 960, 576, "w4").asm_dequant  # w4's tiles are its own
