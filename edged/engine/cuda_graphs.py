@@ -23,8 +23,9 @@ from .step_inputs import StepInputs
 
 log = logging.getLogger("edged.engine")
 
-# 3: three sequences take the GEMV of several x rows (grouped w8) where 4 take the matmul; on the H200 an
-# 8B w8 step of 3 rows is 4.58 ms against 5.86 for 4 (docs/BENCHMARKS.md, session 23)
+# 3: three sequences take the GEMV of several x rows (grouped w8) where 4 take the matmul; on the H200 the
+# engine's overlapped steps at 3 rows: 8B w8 657 tok/s (4.59 ms a step against 5.31 padded to 4), 1B w8 2,576
+# (1.17 ms against 1.27) (docs/BENCHMARKS.md, session 25)
 DEFAULT_BUCKETS = (1, 2, 3, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 
