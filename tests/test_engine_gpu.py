@@ -1,6 +1,8 @@
 """The CUDA engine (Triton kernels, CUDA graphs) against the CPU reference engine."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -68,6 +70,14 @@ def engine_on(weights: LlamaWeights, graphs: bool) -> LLMEngine:
         runner.enable_cuda_graphs(8, 1024, 256)
     blocks = BlockManager(256, 16)
     return LLMEngine(runner, blocks, Batcher(blocks, BatchLimits(8, 256)), 1024, [], lambda _: None)
+
+
+def spy_on_decode_replays(engine: LLMEngine) -> list[int]:
+    """The bucket of each decode graph the engine replays from now on, in order."""
+    graphs, replayed = engine.runner.graphs, []
+    for bucket, graph in list(graphs.graphs.items()):
+        graphs.graphs[bucket] = SimpleNamespace(replay=lambda b=bucket, g=graph: (replayed.append(b), g.replay()))
+    return replayed
 
 
 PROMPTS = [[5, 17, 300, 42, 7], list(range(100, 140)), [1999, 3, 3, 3], list(range(1, 70, 3))]
@@ -167,8 +177,10 @@ def test_overlapped_steps_fill_each_row_from_where_its_token_was_sampled() -> No
     weights = gpu_weights(torch.bfloat16, "w8")
     cpu = run_to_completion(engine_on(as_cpu_float32(weights), False), reqs)
     engine = engine_on(weights, True)
+    replayed = spy_on_decode_replays(engine)
     assert run_overlapped(engine, reqs) == cpu
     assert [len(cpu[f"r{i}"]) for i in range(4)] == [9, 40, 3, 25]
+    assert {4, 3, 2, 1} <= set(replayed), replayed  # 3 rows replay their own graph, not 4's with a padding row
 
 
 def test_seeded_sampling_gives_the_same_tokens_with_and_without_overlapped_steps() -> None:

@@ -23,7 +23,10 @@ from .step_inputs import StepInputs
 
 log = logging.getLogger("edged.engine")
 
-DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+# 3: three sequences take the GEMV of several x rows (grouped w8) where 4 take the matmul; on the H200 the
+# engine's overlapped steps at 3 rows: 8B w8 657 tok/s (4.59 ms a step against 5.31 padded to 4), 1B w8 2,576
+# (1.17 ms against 1.27) (docs/BENCHMARKS.md, session 25)
+DEFAULT_BUCKETS = (1, 2, 3, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 
 class DecodeGraphs:
