@@ -17,11 +17,11 @@ from helpers.tiny_engine import tiny_model
 CPU = torch.device("cpu")
 
 
-def graphs(kind: type, *args: int):
+def graphs(kind: type, *args: int, **kwargs):
     model = tiny_model()
     c = model.config
     kv = KVCache.allocate(c.num_layers, 64, 16, c.num_kv_heads, c.head_dim, torch.float32, "cpu")
-    return kind(model, kv, *args)
+    return kind(model, kv, *args, **kwargs)
 
 
 def decode_step(ids: list[int], positions: list[int], tables: list[list[int]], fills: tuple = ((), ())) -> StepInputs:
@@ -31,7 +31,8 @@ def decode_step(ids: list[int], positions: list[int], tables: list[list[int]], f
 
 
 def test_a_decode_step_lands_in_the_graph_inputs_and_padding_rows_write_no_kv() -> None:
-    g = graphs(DecodeGraphs, 8, 6)
+    assert graphs(DecodeGraphs, 8, 6).bucket_for(3) == 3  # by default 3 rows have a graph of their own
+    g = graphs(DecodeGraphs, 8, 6, buckets=(1, 2, 4))
     tables = [[12, 13, 14], [7], [20, 21, 22, 23, 24, 25]]
     g.stage(decode_step([11, 12, 13], [40, 7, 90], tables))
     assert g.bucket_for(3) == 4
