@@ -701,6 +701,14 @@ def _x_step_w4(xw_ptr, nww, KB, byte, cm, inv, X_KIND: tl.constexpr, NORM: tl.co
 
 
 @triton.jit
+def _w4_step_bytes(b0, chunk, b_hi, GROUP_SIZE: tl.constexpr):
+    """A w4 K step from byte b0: its bytes [chunks, 16], each chunk's group, and the chunks' mask (chunks never
+    straddle b_hi: rows and splits are whole chunks)."""
+    start = b0 + chunk  # first byte of each chunk
+    return start[:, None] + tl.arange(0, 16)[None, :], start // (GROUP_SIZE // 2), start < b_hi
+
+
+@triton.jit
 def _gemv_w4_kernel(xw_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr, counters_ptr, nw_ptr, res_ptr,
                     eps, N, KB, kb_per_split, num_splits, stride_wn, stride_sn,
                     X_KIND: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
@@ -718,18 +726,12 @@ def _gemv_w4_kernel(xw_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_p
     n, r0, r1, r2, r3, s0, s1, s2, s3, m0, m1, m2, m3 = _program_rows(pid_n, N, w_ptr, scale_ptr, min_ptr, stride_wn,
                                                                        stride_sn, ROWS, GATED)
     C: tl.constexpr = BLOCK_KB // 16
-    chunk = tl.arange(0, C) * 16
-    v = tl.arange(0, 16)
-    b_lo = pid_k * kb_per_split
-    b_hi = tl.minimum(b_lo + kb_per_split, KB)  # splits are never empty: b_lo < b_hi
+    chunk, _, b_lo, b_hi = _split_columns(pid_k, kb_per_split, KB, C, 16)
     a0 = tl.zeros([C], dtype=tl.float32)
     a1 = tl.zeros([C], dtype=tl.float32)
     a2 = tl.zeros([C], dtype=tl.float32)
     a3 = tl.zeros([C], dtype=tl.float32)
-    start = b_lo + chunk  # first byte of each chunk
-    byte = start[:, None] + v[None, :]
-    grp = start // (GROUP_SIZE // 2)
-    cm = start < b_hi  # chunks never straddle b_hi: rows and splits are whole chunks
+    byte, grp, cm = _w4_step_bytes(b_lo, chunk, b_hi, GROUP_SIZE)
     w0, sc0, mn0 = _load_row_w4(r0, s0, m0, byte, grp, cm, EVEN_K)
     if ROWS > 1:
         w1, sc1, mn1 = _load_row_w4(r1, s1, m1, byte, grp, cm, EVEN_K)
@@ -751,10 +753,7 @@ def _gemv_w4_kernel(xw_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_p
         a2 = _dot_loaded_w4(a2, w2, sc2, mn2, e0, e1, e2, e3, o0, o1, o2, o3, xsum, magic_xsum, C, ASM, EXACT)
         a3 = _dot_loaded_w4(a3, w3, sc3, mn3, e0, e1, e2, e3, o0, o1, o2, o3, xsum, magic_xsum, C, ASM, EXACT)
     for kb0 in range(b_lo + BLOCK_KB, b_hi, BLOCK_KB):
-        start = kb0 + chunk
-        byte = start[:, None] + v[None, :]
-        grp = start // (GROUP_SIZE // 2)
-        cm = start < b_hi
+        byte, grp, cm = _w4_step_bytes(kb0, chunk, b_hi, GROUP_SIZE)
         nww = _norm_words(nw_ptr, byte, cm, NORM)
         e0, e1, e2, e3, o0, o1, o2, o3, xsum, magic_xsum = _x_step_w4(xw_ptr, nww, KB, byte, cm, inv, X_KIND,
                                                                       NORM, SILU, EVEN_K, C)
@@ -831,30 +830,28 @@ def _gemv_w4_x_rows_kernel(xw_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr,
     n, r0, r1, _, _, s0, s1, _, _, m0, m1, _, _ = _program_rows(pid_n, N, w_ptr, scale_ptr, min_ptr, stride_wn,
                                                                  stride_sn, ROWS, False)
     C: tl.constexpr = BLOCK_KB // 16
-    chunk, byte0, b_lo, b_hi = _split_columns(pid_k, kb_per_split, KB, C, 16)
+    chunk, _, b_lo, b_hi = _split_columns(pid_k, kb_per_split, KB, C, 16)
     a00 = tl.zeros([C], dtype=tl.float32)
     a01, a02, a03, a10, a11, a12, a13 = a00, a00, a00, a00, a00, a00, a00
-    start = b_lo + chunk
-    cm = start < b_hi  # chunks never straddle b_hi: rows and splits are whole chunks
-    w0, sc0, mn0 = _load_row_w4(r0, s0, m0, b_lo + byte0, start // (GROUP_SIZE // 2), cm, EVEN_K)
+    byte, grp, cm = _w4_step_bytes(b_lo, chunk, b_hi, GROUP_SIZE)
+    w0, sc0, mn0 = _load_row_w4(r0, s0, m0, byte, grp, cm, EVEN_K)
     w1, sc1, mn1 = w0, sc0, mn0
     if ROWS > 1:
-        w1, sc1, mn1 = _load_row_w4(r1, s1, m1, b_lo + byte0, start // (GROUP_SIZE // 2), cm, EVEN_K)
+        w1, sc1, mn1 = _load_row_w4(r1, s1, m1, byte, grp, cm, EVEN_K)
     bias = 0.0
     if HAS_BIAS and not SPLIT:
         bias = tl.load(bias_ptr + tl.minimum(n, N - 1)).to(tl.float32)
     pdl_begin(PDL)
     a00, a01, a02, a03, a10, a11, a12, a13 = _x_rows_w4_step(
-        a00, a01, a02, a03, a10, a11, a12, a13, w0, sc0, mn0, w1, sc1, mn1, xw_ptr, stride_xw, b_lo + byte0, cm,
+        a00, a01, a02, a03, a10, a11, a12, a13, w0, sc0, mn0, w1, sc1, mn1, xw_ptr, stride_xw, byte, cm,
         X_KIND, ROWS, XROWS, EVEN_K, C, ASM, EXACT)
     for kb0 in range(b_lo + BLOCK_KB, b_hi, BLOCK_KB):
-        start = kb0 + chunk
-        cm = start < b_hi
-        w0, sc0, mn0 = _load_row_w4(r0, s0, m0, kb0 + byte0, start // (GROUP_SIZE // 2), cm, EVEN_K)
+        byte, grp, cm = _w4_step_bytes(kb0, chunk, b_hi, GROUP_SIZE)
+        w0, sc0, mn0 = _load_row_w4(r0, s0, m0, byte, grp, cm, EVEN_K)
         if ROWS > 1:
-            w1, sc1, mn1 = _load_row_w4(r1, s1, m1, kb0 + byte0, start // (GROUP_SIZE // 2), cm, EVEN_K)
+            w1, sc1, mn1 = _load_row_w4(r1, s1, m1, byte, grp, cm, EVEN_K)
         a00, a01, a02, a03, a10, a11, a12, a13 = _x_rows_w4_step(
-            a00, a01, a02, a03, a10, a11, a12, a13, w0, sc0, mn0, w1, sc1, mn1, xw_ptr, stride_xw, kb0 + byte0, cm,
+            a00, a01, a02, a03, a10, a11, a12, a13, w0, sc0, mn0, w1, sc1, mn1, xw_ptr, stride_xw, byte, cm,
             X_KIND, ROWS, XROWS, EVEN_K, C, ASM, EXACT)
     _x_rows_store(a00, a01, a02, a03, a10, a11, a12, a13, 0, n, N, pid_k, M, out_ptr, part_ptr, bias, res_ptr,
                   stride_om, stride_rm, XROWS, HAS_BIAS, SPLIT, RESIDUAL)
