@@ -1158,7 +1158,12 @@ def choose_config(m: int, n: int, k: int, fmt: str, device: torch.device,
         # longer than 4096 (the down projections) and w8 layers of more than 8192 rows (the 8B
         # lm_head 160.7 -> 152.8 us). Split K only while the rows alone leave SMs idle.
         quantized = fmt in ("w4", "w8")
-        if quantized and k >= 4096 and ((fmt == "w4" and k > 4096) or (fmt == "w8" and n > 8192)):
+        # long rows in 2049-8192 of them (8B qkv, o, down): 2048-column steps over 2 warps, so that twice the
+        # programs fit an SM and the 8B's 2048 programs run in one wave, not 1.29 (w8) or 1.94 (w4's down at
+        # 4096 columns); H200 decode graph (session 26), 8B batch 1, tok/s: w8 385 -> 403, w4 430 -> 447. The
+        # 1B's down (2048 rows, under one wave either way) lost with it: w8 1,618 -> 1,595, w4 1,684 -> 1,624
+        long_rows = quantized and 2048 < n <= 8192 and k >= 4096
+        if k >= 4096 and ((fmt == "w4" and k > 4096) or (fmt == "w8" and n > 8192)) and not long_rows:
             block_k = 4096
         else:
             block_k = 2048 if quantized and k > 1024 else 1024
@@ -1168,7 +1173,8 @@ def choose_config(m: int, n: int, k: int, fmt: str, device: torch.device,
         # SM; capped at 104, 5 an SM without spills: H200 decode graph (session 25), 8B w8 batch 1 370.7 -> 383.6
         # tok/s (cap 96 377.3, 88 381.5, 112 368.3); the 1B's 2048-column steps and w4 lose with a cap
         cap = LARGE_GEMV_W8_MAX_REGISTERS if fmt == "w8" and block_k == 4096 else None
-        return LinearConfig("gemv", 1, rows, block_k, split, num_warps=4, num_stages=1, max_registers=cap)
+        warps = LONG_ROW_GEMV_WARPS if long_rows else 4
+        return LinearConfig("gemv", 1, rows, block_k, split, num_warps=warps, num_stages=1, max_registers=cap)
     if fmt == "dense":
         return LinearConfig("torch")  # cuBLAS is at bandwidth for dense weights from M = 2 on
     short = k <= SHORT_K
@@ -1254,6 +1260,7 @@ X_ROWS_GEMV_MAX = 3  # rows of x up to which grouped w8 and w4 take the GEMV of 
 X_ROWS_GEMV_MAX_SHORT_K = 4  # the same where rows are short (SmolLM2: K <= SHORT_K)
 X_ROWS_GEMV_MAX_SHORT_K_W4 = 8  # and for w4 where rows are short
 SHORT_K = 1536
+LONG_ROW_GEMV_WARPS = 2  # warps a program of the one-row GEMVs of long rows in 2049-8192 rows (choose_config)
 LARGE_GEMV_W8_MAX_REGISTERS = 104  # ptxas cap on the one-row w8 GEMVs of 4096-column steps (choose_config)
 X_ROWS_PER_LAUNCH = 8  # rows of x one _gemv_x_rows_kernel launch takes (at most 8)
 X_ROWS_PER_LAUNCH_W4 = 4  # and one _gemv_w4_x_rows_kernel launch (at most 4)

@@ -24,8 +24,10 @@ from edged.kernels import triton_linear as tlin  # noqa: E402
 @pytest.mark.parametrize("fmt,shape", [("w8", (28672, 4096)), ("w4", (4096, 14336))])
 def test_decode_gemv_loop_streams_weights_without_shuffles_under_4_5_instructions_a_weight(fmt, shape) -> None:
     stats, cfg = gemv_loop(fmt, *shape)
-    assert cfg.kind == "gemv" and cfg.block_n == 4 and cfg.block_k == 4096  # the launch rule's whole rows
-    assert stats.weights_per_iteration == 4 * 4096 / (32 * cfg.num_warps)
+    # the launch rule's: w8 gate_up 4096 columns a step over 4 warps, w4 down 2048 over 2 (LONG_ROW_GEMV_WARPS)
+    assert (cfg.kind, cfg.block_n, cfg.block_k, cfg.num_warps) == (("gemv", 4, 4096, 4) if fmt == "w8" else
+                                                                   ("gemv", 4, 2048, tlin.LONG_ROW_GEMV_WARPS))
+    assert stats.weights_per_iteration == 4 * cfg.block_k / (32 * cfg.num_warps)
     assert stats.shared_or_shuffle == 0, stats.opcodes
     # one FMA a weight; w8 one prmt a byte, w4 one prmt per two bytes and one and a nibble
     assert stats.opcodes["FFMA"] >= 0.9 * stats.weights_per_iteration

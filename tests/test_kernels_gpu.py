@@ -89,8 +89,9 @@ def test_linear_gemv_variants(fmt: str) -> None:
     want = ref_linear(x, w)
     for rows in (1, 2, 4):
         for block_k, split in ((1024, 1), (2048, 3), (4096, 2)):
-            cfg = tlin.LinearConfig("gemv", 1, rows, block_k, split, num_warps=4 if block_k < 4096 else 8)
-            assert rel_err(tlin.linear(x, w, cfg), want) < REL[torch.bfloat16], (rows, block_k, split)
+            for warps in (2, 4 if block_k < 4096 else 8):
+                cfg = tlin.LinearConfig("gemv", 1, rows, block_k, split, num_warps=warps)
+                assert rel_err(tlin.linear(x, w, cfg), want) < REL[torch.bfloat16], (rows, block_k, split, warps)
 
 
 @pytest.mark.parametrize("fmt", ["w8", "w8sym", "w4"])

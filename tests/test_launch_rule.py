@@ -1,5 +1,6 @@
-"""choose_config's decode launches for an H200 (132 SMs) where the session 25 sweeps changed them: the register
-cap of the large one-row w8 GEMVs, and the plain matmul for SmolLM2's short rows at 33-64 sequences. The
+"""choose_config's decode launches for an H200 (132 SMs) where the session 25 and 26 sweeps changed them: the
+register cap of the large one-row w8 GEMVs, 2 warps a program for the one-row GEMVs of long rows in at most 8192
+rows, and the plain matmul for SmolLM2's short rows at 33-64 sequences. The
 kernels each launch runs are tested on the GPU (test_kernels_gpu.py) and compiled in test_bench_sass.py."""
 from __future__ import annotations
 
@@ -28,6 +29,27 @@ def test_only_the_large_w8_gemvs_of_4096_column_steps_cap_their_registers() -> N
     assert {caps[key] for key in capped} == {tlin.LARGE_GEMV_W8_MAX_REGISTERS}
     assert _config(2, 28672, 4096, "w8").max_registers is None  # batches take other kernels
     assert _config(1, 28672, 4096, "dense").max_registers is None
+
+
+def test_one_row_gemvs_of_long_rows_in_2049_to_8192_rows_take_2_warps_and_2048_column_steps() -> None:
+    """The 8B's qkv, o and down (K >= 4096), w8 and w4: 2 warps a program, 2048 columns a step, so their programs
+    run in one wave; the 1B's down (2048 rows, measured slower so), the large GEMVs, shorter rows and batches keep
+    4 warps."""
+    long_rows = [(6144, 4096), (4096, 4096), (4096, 14336)]
+    others = [(2048, 8192), (28672, 4096), (128256, 4096), (3072, 2048), (2048, 2048), (16384, 2048), (960, 576),
+              (576, 1536)]
+    for fmt in ("w8", "w4"):
+        for n, k in long_rows:
+            cfg = _config(1, n, k, fmt)
+            assert (cfg.kind, cfg.num_warps, cfg.block_k) == ("gemv", tlin.LONG_ROW_GEMV_WARPS, 2048), (fmt, n, k, cfg)
+        for n, k in others:
+            assert _config(1, n, k, fmt).num_warps == 4, (fmt, n, k)
+        assert _config(2, 4096, 14336, fmt).num_warps == 4, fmt
+    assert tlin.LONG_ROW_GEMV_WARPS == 2
+    # the 1B's down keeps session 25's launch: w8 2 rows of 2048-column steps, w4 4 rows of 4096
+    assert (_config(1, 2048, 8192, "w8").block_n, _config(1, 2048, 8192, "w8").block_k) == (2, 2048)
+    assert (_config(1, 2048, 8192, "w4").block_n, _config(1, 2048, 8192, "w4").block_k) == (4, 4096)
+    assert _config(1, 4096, 14336, "dense").num_warps == 4  # bf16 rows: the sweep did not cover them
 
 
 @pytest.mark.parametrize("m", [33, 48, 64])
