@@ -1155,15 +1155,16 @@ def choose_config(m: int, n: int, k: int, fmt: str, device: torch.device,
         # program (quantized: 2 in layers of at most 2048 x 2048, and w8 layers of at most 8192 rows
         # and K >= 4096: more programs for them; 8B w8 down 21.1 -> 18.1 us), 1024 columns a step
         # where rows are short (K <= 1024, else lanes idle), 2048 from there, and 4096 for w4 rows
-        # longer than 4096 (the down projections) and w8 layers of more than 8192 rows (the 8B
-        # lm_head 160.7 -> 152.8 us). Split K only while the rows alone leave SMs idle.
+        # longer than 4096 in at most 2048 rows (the 1B's down; the 8B's is a long-rows layer below) and
+        # w8 layers of more than 8192 rows (the 8B lm_head 160.7 -> 152.8 us). Split K only while the
+        # rows alone leave SMs idle.
         quantized = fmt in ("w4", "w8")
         # long rows in 2049-8192 of them (8B qkv, o, down): 2048-column steps over 2 warps, so that twice the
         # programs fit an SM and the 8B's 2048 programs run in one wave, not 1.29 (w8) or 1.94 (w4's down at
         # 4096 columns); H200 decode graph (session 26), 8B batch 1, tok/s: w8 385 -> 403, w4 430 -> 447. The
         # 1B's down (2048 rows, under one wave either way) lost with it: w8 1,618 -> 1,595, w4 1,684 -> 1,624
         long_rows = quantized and 2048 < n <= 8192 and k >= 4096
-        if k >= 4096 and ((fmt == "w4" and k > 4096) or (fmt == "w8" and n > 8192)) and not long_rows:
+        if (fmt == "w8" and n > 8192 and k >= 4096) or (fmt == "w4" and k > 4096 and not long_rows):
             block_k = 4096
         else:
             block_k = 2048 if quantized and k > 1024 else 1024

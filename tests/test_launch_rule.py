@@ -1,7 +1,7 @@
 """choose_config's decode launches for an H200 (132 SMs) where the session 25 and 26 sweeps changed them: the
-register cap of the large one-row w8 GEMVs, 2 warps a program for the one-row GEMVs of long rows in at most 8192
-rows, and the plain matmul for SmolLM2's short rows at 33-64 sequences. The
-kernels each launch runs are tested on the GPU (test_kernels_gpu.py) and compiled in test_bench_sass.py."""
+register cap of the large one-row w8 GEMVs, 2 warps a program for the one-row GEMVs of long rows in 2049-8192 rows,
+and the plain matmul for SmolLM2's short rows at 33-64 sequences. The kernels each launch runs are tested on the
+GPU (test_kernels_gpu.py) and compiled in test_bench_sass.py."""
 from __future__ import annotations
 
 import pytest
