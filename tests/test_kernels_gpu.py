@@ -148,6 +148,12 @@ def test_decode_batches_through_the_launch_rule_match_the_reference(n: int, k: i
         assert ("matmul", False, True) in kinds, kinds  # the plain form, bytes to floats by PTX (short K: 64 rows)
 
 
+MATMUL_FORMS = [  # (swap, prefetch, block_n, block_k, split, asm_dequant): every form the sweeps consider
+    (True, False, 128, 64, 3, False), (True, True, 128, 64, 1, False), (True, False, 64, 64, 2, False),
+    (False, True, 64, 128, 5, False), (False, False, 64, 128, 1, False), (True, False, 128, 64, 3, True),
+    (False, False, 128, 64, 2, True), (False, True, 64, 128, 1, True)]
+
+
 @pytest.mark.parametrize("fmt", ["w8", "w8sym", "w4"])
 def test_linear_matmul_variants(fmt: str) -> None:
     """Every form of the batched (M = 2-64) grouped w8 and w4 matmul the sweeps consider (w4: the swap form
@@ -158,15 +164,34 @@ def test_linear_matmul_variants(fmt: str) -> None:
         x = torch.randn(m, 14336, device=DEV).bfloat16()
         res = torch.randn(m, 4099, device=DEV).bfloat16()
         want = ref_linear(x, w)
-        for swap, prefetch, block_n, block_k, split, asm in (
-                (True, False, 128, 64, 3, False), (True, True, 128, 64, 1, False), (True, False, 64, 64, 2, False),
-                (False, True, 64, 128, 5, False), (False, False, 64, 128, 1, False), (True, False, 128, 64, 3, True),
-                (False, False, 128, 64, 2, True), (False, True, 64, 128, 1, True)):
+        for swap, prefetch, block_n, block_k, split, asm in MATMUL_FORMS:
             cfg = tlin.LinearConfig("matmul", 16 if m <= 16 else 64, block_n, block_k, split, swap=swap,
                                     prefetch=prefetch, asm_dequant=asm)
             assert rel_err(tlin.linear(x, w, cfg), want) < REL[torch.bfloat16], (m, cfg)
             got = tlin.linear(x, w, cfg, residual=res)
             assert rel_err(got, (want.float() + res.float())) < REL[torch.bfloat16], (m, cfg)
+
+
+@pytest.mark.parametrize("fmt", ["w8", "w8sym"])
+def test_batched_w8_matmul_rounds_each_weight_once_to_the_activation_dtype(fmt: str) -> None:
+    """Rows of x that each pick one column read the dequantized weights back through every form of the
+    batched grouped w8 matmul: each equals the exact weight rounded once to bfloat16, bit for bit (the
+    one-FMA forms of q * scale + minimum, symmetric w8's (32768 + q) * s - 32896 * s from PTX's bytes included,
+    round nowhere else). Rows of scales from 1e-6 to 10."""
+    from edged.kernels.weights import dequantize
+
+    n, k = 1031, 1024
+    g = torch.Generator(device=DEV).manual_seed(5)
+    dense = torch.randn(n, k, device=DEV, generator=g) * 10 ** (torch.rand(n, 1, device=DEV, generator=g) * 7 - 6)
+    w = quantize_w8(dense, symmetric=fmt == "w8sym").astype(torch.bfloat16)
+    want = dequantize(w, torch.float32).to(torch.bfloat16).float().T  # [k, n]: column j's weights
+    eye = torch.eye(k, device=DEV, dtype=torch.bfloat16)
+    for swap, prefetch, block_n, block_k, split, asm in MATMUL_FORMS:
+        cfg = tlin.LinearConfig("matmul", 64, block_n, block_k, split, swap=swap, prefetch=prefetch,
+                                asm_dequant=asm)
+        for first in range(0, k, 64):
+            got = tlin.linear(eye[first:first + 64], w, cfg, out_dtype=torch.float32)
+            assert torch.equal(got, want[first:first + 64]), (cfg, first)
 
 
 @pytest.mark.parametrize("fmt", ["w8", "w4"])

@@ -248,6 +248,24 @@ def test_linear_matmul_split_and_3d(fmt: str, swap: bool, prefetch: bool) -> Non
     _check_linear(xs, w, tlin.LinearConfig("matmul", 16, 32, 128, split=1, **forms))
 
 
+@pytest.mark.parametrize("fmt", ["w8", "w8sym"])
+def test_batched_w8_matmul_rounds_each_weight_once_to_the_activation_dtype(fmt: str) -> None:
+    """Rows of x that each pick one column read the dequantized weights back through the batched grouped w8
+    matmul's portable forms: each the exact weight rounded once to float16, bit for bit (the PTX forms: the GPU
+    twin in test_kernels_gpu.py). Rows of scales from 1e-4 to 10."""
+    g = torch.Generator().manual_seed(5)
+    n, k = 40, 128
+    dense = torch.randn(n, k, generator=g) * 10 ** (torch.rand(n, 1, generator=g) * 5 - 4)
+    w = quantize_w8(dense, symmetric=fmt == "w8sym").astype(torch.float16)
+    want = dequantize(w, torch.float32).to(torch.float16).float().T
+    eye = torch.eye(k, dtype=torch.float16)
+    for swap, prefetch in ((False, False), (True, False), (False, True)):
+        cfg = tlin.LinearConfig("matmul", 64, 32, 64, split=2, swap=swap, prefetch=prefetch)
+        for first in range(0, k, 64):
+            got = tlin.linear(eye[first:first + 64], w, cfg, out_dtype=torch.float32)
+            assert torch.equal(got, want[first:first + 64]), (cfg, first)
+
+
 _FUSED_FORMS = {"norm": dict(norm=True), "silu": dict(silu_mul=True), "residual": dict(residual=True),
                 "silu+residual": dict(silu_mul=True, residual=True), "silu out": dict(silu_mul_out=True),
                 "norm+silu out": dict(norm=True, silu_mul_out=True)}

@@ -1,6 +1,7 @@
-"""choose_config's decode launches for an H200 (132 SMs) where the session 25 and 26 sweeps changed them: the
+"""choose_config's decode launches for an H200 (132 SMs) where the session 25-27 sweeps changed them: the
 register cap of the large one-row w8 GEMVs, 2 warps a program for the one-row GEMVs of long rows in 2049-8192 rows,
-and the plain matmul for SmolLM2's short rows at 33-64 sequences. The kernels each launch runs are tested on the
+2 warps and a register cap for the large one-row w4 GEMVs, and the plain matmul for SmolLM2's short rows at 33-64
+sequences. The kernels each launch runs are tested on the
 GPU (test_kernels_gpu.py) and compiled in test_bench_sass.py."""
 from __future__ import annotations
 
@@ -18,31 +19,36 @@ def _config(m: int, n: int, k: int, fmt: str) -> tlin.LinearConfig:
     return tlin.choose_config(m, n, k, fmt, CUDA, sm_count=132)
 
 
-def test_only_the_large_w8_gemvs_of_4096_column_steps_cap_their_registers() -> None:
-    """The cap measured faster only there (8B gate_up and lm_head, w8); the 1B's 2048-column steps, w4 and
-    the 8B's smaller w8 GEMVs measured slower with one (or have no registers to spare), so they stay uncapped."""
+def test_only_the_large_gemvs_cap_their_registers() -> None:
+    """The caps measured faster only there: w8's 4096-column steps (8B gate_up and lm_head) and w4's large GEMVs
+    of 1025-4096 columns (8B and 1B gate_up and lm_head, over 2 warps); the 1B's w8 2048-column steps, SmolLM2's
+    short rows and the smaller GEMVs measured slower with one (or have no registers to spare), so they stay
+    uncapped."""
     caps = {(fmt, n, k): _config(1, n, k, fmt).max_registers
             for fmt in ("w8", "w4")
-            for n, k in ((28672, 4096), (128256, 4096), (6144, 4096), (4096, 14336), (16384, 2048))}
+            for n, k in ((28672, 4096), (128256, 4096), (6144, 4096), (4096, 14336), (16384, 2048), (128256, 2048),
+                         (49152, 576), (2048, 8192))}
     capped = {key for key, cap in caps.items() if cap is not None}
-    assert capped == {("w8", 28672, 4096), ("w8", 128256, 4096)}, caps
-    assert {caps[key] for key in capped} == {tlin.LARGE_GEMV_W8_MAX_REGISTERS}
+    large_w4 = {("w4", 28672, 4096), ("w4", 128256, 4096), ("w4", 16384, 2048), ("w4", 128256, 2048)}
+    assert capped == {("w8", 28672, 4096), ("w8", 128256, 4096)} | large_w4, caps
+    assert {caps[key] for key in capped - large_w4} == {tlin.LARGE_GEMV_W8_MAX_REGISTERS}
+    assert {caps[key] for key in large_w4} == {tlin.LARGE_GEMV_W4_MAX_REGISTERS}
     assert _config(2, 28672, 4096, "w8").max_registers is None  # batches take other kernels
     assert _config(1, 28672, 4096, "dense").max_registers is None
 
 
 def test_one_row_gemvs_of_long_rows_in_2049_to_8192_rows_take_2_warps_and_2048_column_steps() -> None:
     """The 8B's qkv, o and down (K >= 4096), w8 and w4: 2 warps a program, 2048 columns a step, so their programs
-    run in one wave; the 1B's down (2048 rows, measured slower so), the large GEMVs, shorter rows and batches keep
-    4 warps."""
+    run in one wave; the 1B's down (2048 rows, measured slower so), the large w8 GEMVs, shorter rows and batches
+    keep 4 warps."""
     long_rows = [(6144, 4096), (4096, 4096), (4096, 14336)]
-    others = [(2048, 8192), (28672, 4096), (128256, 4096), (3072, 2048), (2048, 2048), (16384, 2048), (960, 576),
-              (576, 1536)]
+    others = [(2048, 8192), (3072, 2048), (2048, 2048), (960, 576), (576, 1536)]
+    large = [(28672, 4096), (128256, 4096), (16384, 2048)]
     for fmt in ("w8", "w4"):
         for n, k in long_rows:
             cfg = _config(1, n, k, fmt)
             assert (cfg.kind, cfg.num_warps, cfg.block_k) == ("gemv", tlin.LONG_ROW_GEMV_WARPS, 2048), (fmt, n, k, cfg)
-        for n, k in others:
+        for n, k in others + (large if fmt == "w8" else []):
             assert _config(1, n, k, fmt).num_warps == 4, (fmt, n, k)
         assert _config(2, 4096, 14336, fmt).num_warps == 4, fmt
     assert tlin.LONG_ROW_GEMV_WARPS == 2
@@ -50,6 +56,20 @@ def test_one_row_gemvs_of_long_rows_in_2049_to_8192_rows_take_2_warps_and_2048_c
     assert (_config(1, 2048, 8192, "w8").block_n, _config(1, 2048, 8192, "w8").block_k) == (2, 2048)
     assert (_config(1, 2048, 8192, "w4").block_n, _config(1, 2048, 8192, "w4").block_k) == (4, 4096)
     assert _config(1, 4096, 14336, "dense").num_warps == 4  # bf16 rows: the sweep did not cover them
+
+
+def test_large_one_row_w4_gemvs_of_1025_to_4096_columns_take_2_warps_capped_registers_and_2048_column_steps() -> None:
+    """The 8B's and 1B's w4 gate_up and lm_head: 2 warps a program, 2048 columns a step, registers capped so that
+    12 programs fit an SM (8 uncapped); SmolLM2's 576-column lm_head (no gain measured), w8's and batches keep
+    theirs."""
+    for n, k in ((28672, 4096), (128256, 4096), (16384, 2048), (128256, 2048)):
+        cfg = _config(1, n, k, "w4")
+        assert (cfg.kind, cfg.block_n, cfg.block_k, cfg.split, cfg.num_warps, cfg.max_registers) == (
+            "gemv", 4, 2048, 1, 2, tlin.LARGE_GEMV_W4_MAX_REGISTERS), (n, k, cfg)
+    assert tlin.LARGE_GEMV_W4_MAX_REGISTERS == 80
+    smollm_head = _config(1, 49152, 576, "w4")
+    assert (smollm_head.num_warps, smollm_head.max_registers) == (4, None)
+    assert (_config(1, 28672, 4096, "w8").num_warps, _config(2, 28672, 4096, "w4").max_registers) == (4, None)
 
 
 @pytest.mark.parametrize("m", [33, 48, 64])
