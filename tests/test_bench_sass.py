@@ -119,14 +119,15 @@ def test_a_register_cap_lets_an_sm_keep_more_of_the_large_gemvs_programs(monkeyp
 
 def test_the_w4_register_cap_fits_12_programs_of_the_large_gemvs_an_sm_without_spills(monkeypatch) -> None:
     """The 8B's w4 gate_up GEMV over 2 warps holds over 100 registers uncapped, 8 programs an SM; capped at
-    LARGE_GEMV_W4_MAX_REGISTERS as the launch rule launches it, 12, and nothing spills."""
+    LARGE_GEMV_W4_MAX_REGISTERS as the launch rule launches it, at least 12 (Triton 3.9: 12, the H200's 3.6: 14),
+    and nothing spills."""
     ruled, cfg = compile_gemv("w4", 28672, 4096)
     monkeypatch.setattr(tlin, "LARGE_GEMV_W4_MAX_REGISTERS", None)
     free, free_cfg = compile_gemv("w4", 28672, 4096)
     assert (cfg.num_warps, cfg.max_registers, free_cfg.max_registers) == (2, 80, None)
     held, held_free = residency(ruled, cfg.num_warps), residency(free, cfg.num_warps)
     assert held.registers <= 80 < 100 < held_free.registers
-    assert (held.programs_per_sm, held_free.programs_per_sm, held.stack) == (12, 8, 0)
+    assert held.programs_per_sm >= 12 and held_free.programs_per_sm <= 8 and held.stack == 0
 
 
 def test_bench_sass_prints_a_row_per_shape_and_format() -> None:

@@ -251,9 +251,12 @@ def run_sass_bench(args: argparse.Namespace) -> int:
     if unknown:
         print(f"edged bench sass: unknown shapes {unknown}; known: {', '.join(shapes)}", file=sys.stderr)
         return 2
-    print(f"decode GEMV (M = 1, bf16 x) compiled for sm_{args.arch}, as launched on an H200; its K loop per "
-          "thread and step; registers a thread and bytes it spills, programs an SM keeps (occupancy), the launch's "
-          f"programs and its waves over {H200_SMS} SMs")
+    import triton
+
+    # the loop is this Triton's: the GPU machine's may differ (3.6 regroups SmolLM2's x sums where 3.9 does not)
+    print(f"decode GEMV (M = 1, bf16 x) compiled by Triton {triton.__version__} for sm_{args.arch}, as launched on an "
+          "H200; its K loop per thread and step; registers a thread and bytes it spills, programs an SM keeps "
+          f"(occupancy), the launch's programs and its waves over {H200_SMS} SMs")
     print(f"{'shape':26} {'N x K':>14} {'fmt':4} {'rows':>4} {'cols':>5} {'instr':>6} {'/weight':>8} "
           f"{'shared/shfl':>11} {'regs':>4} {'stack':>5} {'prog/SM':>7} {'programs':>8} {'waves':>6}  top opcodes")
     for name in wanted:
