@@ -1181,14 +1181,15 @@ def choose_config(m: int, n: int, k: int, fmt: str, device: torch.device,
         # the large w8 GEMVs of 4096-column steps (8B gate_up, lm_head) compile to 124 registers, 4 programs an
         # SM; capped at 104, 5 an SM without spills: H200 decode graph (session 25), 8B w8 batch 1 370.7 -> 383.6
         # tok/s (cap 96 377.3, 88 381.5, 112 368.3); the 1B's 2048-column steps and w4 over 4 warps lose with a cap
-        cap = LARGE_GEMV_W8_MAX_REGISTERS if fmt == "w8" and block_k == 4096 else None
         # the large w4 GEMVs of 1025-4096 columns (gate_up, lm_head) over 2 warps hold 121 registers, 8 programs an
         # SM; capped at 80, 12 without spills: H200 decode graph (session 27), batch 1, tok/s: 8B 447-449 -> 477-482, 1B
         # 1,681-1,684 -> 1,797-1,799 (SmolLM2's 576-column rows at 2048-column steps did not gain: 2,335 -> 2,327)
         large_w4 = fmt == "w4" and n > 8192 and 1024 < k <= 4096
-        if large_w4:
-            cap = LARGE_GEMV_W4_MAX_REGISTERS
-        warps = LONG_ROW_GEMV_WARPS if long_rows or large_w4 else 4
+        if fmt == "w8" and block_k == 4096:
+            cap = LARGE_GEMV_W8_MAX_REGISTERS
+        else:
+            cap = LARGE_GEMV_W4_MAX_REGISTERS if large_w4 else None
+        warps = LONG_ROW_GEMV_WARPS if long_rows else LARGE_GEMV_W4_WARPS if large_w4 else 4
         return LinearConfig("gemv", 1, rows, block_k, split, num_warps=warps, num_stages=1, max_registers=cap)
     if fmt == "dense":
         return LinearConfig("torch")  # cuBLAS is at bandwidth for dense weights from M = 2 on
@@ -1275,7 +1276,8 @@ X_ROWS_GEMV_MAX = 3  # rows of x up to which grouped w8 and w4 take the GEMV of 
 X_ROWS_GEMV_MAX_SHORT_K = 4  # the same where rows are short (SmolLM2: K <= SHORT_K)
 X_ROWS_GEMV_MAX_SHORT_K_W4 = 8  # and for w4 where rows are short
 SHORT_K = 1536
-LONG_ROW_GEMV_WARPS = 2  # warps a program of the one-row GEMVs of long rows in 2049-8192 rows and of the large w4 ones
+LONG_ROW_GEMV_WARPS = 2  # warps a program of the one-row GEMVs of long rows in 2049-8192 rows (choose_config)
+LARGE_GEMV_W4_WARPS = 2  # and of the one-row w4 GEMVs of more than 8192 rows (choose_config)
 LARGE_GEMV_W8_MAX_REGISTERS = 104  # ptxas cap on the one-row w8 GEMVs of 4096-column steps (choose_config)
 LARGE_GEMV_W4_MAX_REGISTERS = 80  # the same on the one-row w4 GEMVs of more than 8192 rows, over 2 warps
 X_ROWS_PER_LAUNCH = 8  # rows of x one _gemv_x_rows_kernel launch takes (at most 8)
