@@ -320,9 +320,10 @@ def _norm_weights(nw_ptr, k, km, NORM: tl.constexpr):
 
 @triton.jit
 def _x_step(x_ptr, nwv, K, k, km, inv, dt: tl.constexpr, NORM: tl.constexpr, SILU: tl.constexpr,
-            EVEN_K: tl.constexpr, C: tl.constexpr, VEC: tl.constexpr):
+            EVEN_K: tl.constexpr, C: tl.constexpr, VEC: tl.constexpr, QUARTER_XSUM: tl.constexpr):
     """x at one step's columns k, through the fused prologue (NORM: nwv the step's _norm_weights; SILU):
-    its quarters, its chunk sums, and 32768 times them (the w8 constant's share)."""
+    its quarters, its chunk sums (QUARTER_XSUM: summed from the quarters, quarter_xsum), and 32768 times them
+    (the w8 constant's share)."""
     if EVEN_K:
         xv = tl.load(x_ptr + k).to(tl.float32)
     else:
@@ -331,8 +332,11 @@ def _x_step(x_ptr, nwv, K, k, km, inv, dt: tl.constexpr, NORM: tl.constexpr, SIL
         xv = _round_as(nwv.to(tl.float32) * (xv * inv), dt)
     if SILU:
         xv = _round_as(_silu_mul(xv, tl.load(x_ptr + K + k, mask=km, other=0.0).to(tl.float32)), dt)
-    xsum = tl.sum(xv, axis=1)
     x0, x1, x2, x3 = _quarters(xv, C, VEC)
+    if QUARTER_XSUM:
+        xsum = tl.sum(x0 + x1 + x2 + x3, axis=1)
+    else:
+        xsum = tl.sum(xv, axis=1)
     return x0, x1, x2, x3, xsum, xsum * 32768.0  # the last unused (and not computed) where EXACT
 
 
@@ -358,7 +362,7 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr, 
                  SPLIT: tl.constexpr, EVEN_K: tl.constexpr, GROUP_SIZE: tl.constexpr, ROWS: tl.constexpr,
                  BLOCK_K: tl.constexpr, VEC: tl.constexpr, NORM: tl.constexpr, SILU: tl.constexpr,
                  RESIDUAL: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr, GATED: tl.constexpr,
-                 EXACT: tl.constexpr, SYM: tl.constexpr):
+                 EXACT: tl.constexpr, SYM: tl.constexpr, QUARTER_XSUM: tl.constexpr):
     """One row of x against ROWS (1, 2 or 4) rows of dense or w8 weights (SYM: w8 without minimums);
     program (row block, k split). Each step loads one [BLOCK_K // VEC, VEC] tile of x (a thread owns VEC
     consecutive columns, one 16-byte weight load) and uses it for every weight row: x is read and
@@ -398,7 +402,7 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr, 
     inv = 1.0
     if NORM:
         inv = _rms_inv(x_ptr, K, eps, BLOCK_K)
-    x0, x1, x2, x3, xsum, magic_xsum = _x_step(x_ptr, nwv, K, k, km, inv, dt, NORM, SILU, EVEN_K, C, VEC)
+    x0, x1, x2, x3, xsum, magic_xsum = _x_step(x_ptr, nwv, K, k, km, inv, dt, NORM, SILU, EVEN_K, C, VEC, QUARTER_XSUM)
     a0 = _dot_loaded(a0, w0, sc0, mn0, x0, x1, x2, x3, xsum, magic_xsum, FORMAT, C, VEC, ASM, EXACT, SYM)
     if ROWS > 1:
         a1 = _dot_loaded(a1, w1, sc1, mn1, x0, x1, x2, x3, xsum, magic_xsum, FORMAT, C, VEC, ASM, EXACT, SYM)
@@ -408,7 +412,8 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr, 
     for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
         k, km, grp, cm = _step_columns(k0, k_hi, col, chunk, GROUP_SIZE)
         nwv = _norm_weights(nw_ptr, k, km, NORM)
-        x0, x1, x2, x3, xsum, magic_xsum = _x_step(x_ptr, nwv, K, k, km, inv, dt, NORM, SILU, EVEN_K, C, VEC)
+        x0, x1, x2, x3, xsum, magic_xsum = _x_step(x_ptr, nwv, K, k, km, inv, dt, NORM, SILU, EVEN_K, C, VEC,
+                                                   QUARTER_XSUM)
         w0, sc0, mn0 = _load_row(r0, s0, m0, k, grp, km, cm, FORMAT, EVEN_K, SYM)
         a0 = _dot_loaded(a0, w0, sc0, mn0, x0, x1, x2, x3, xsum, magic_xsum, FORMAT, C, VEC, ASM, EXACT, SYM)
         if ROWS > 1:
@@ -427,10 +432,10 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr, 
 @triton.jit
 def _x_row_sums(a0, a1, p00, p01, p02, p03, p10, p11, p12, p13, sc0, mn0, sc1, mn1, x_ptr, K, k, km,
                 dt: tl.constexpr, FORMAT: tl.constexpr, ROWS: tl.constexpr, EVEN_K: tl.constexpr, C: tl.constexpr,
-                VEC: tl.constexpr, EXACT: tl.constexpr, SYM: tl.constexpr):
+                VEC: tl.constexpr, EXACT: tl.constexpr, SYM: tl.constexpr, QUARTER_XSUM: tl.constexpr):
     """One row of x (at x_ptr) at one step, loaded once, against the program's converted weight rows: a0 and
     a1 (weight rows 0 and 1) accumulate in the single-row GEMV's arithmetic."""
-    x0, x1, x2, x3, xs, mxs = _x_step(x_ptr, 0.0, K, k, km, 1.0, dt, False, False, EVEN_K, C, VEC)
+    x0, x1, x2, x3, xs, mxs = _x_step(x_ptr, 0.0, K, k, km, 1.0, dt, False, False, EVEN_K, C, VEC, QUARTER_XSUM)
     a0 = _chunk_sums(a0, p00, p01, p02, p03, sc0, mn0, x0, x1, x2, x3, xs, mxs, FORMAT, EXACT, SYM)
     if ROWS > 1:
         a1 = _chunk_sums(a1, p10, p11, p12, p13, sc1, mn1, x0, x1, x2, x3, xs, mxs, FORMAT, EXACT, SYM)
@@ -441,21 +446,24 @@ def _x_row_sums(a0, a1, p00, p01, p02, p03, p10, p11, p12, p13, sc0, mn0, sc1, m
 def _x_rows_step(a00, a01, a02, a03, a10, a11, a12, a13, p00, p01, p02, p03, p10, p11, p12, p13, sc0, mn0, sc1, mn1,
                  x_ptr, stride_xm, K, k, km, dt: tl.constexpr, FORMAT: tl.constexpr, ROWS: tl.constexpr,
                  XROWS: tl.constexpr, EVEN_K: tl.constexpr, C: tl.constexpr, VEC: tl.constexpr,
-                 EXACT: tl.constexpr, SYM: tl.constexpr):
+                 EXACT: tl.constexpr, SYM: tl.constexpr, QUARTER_XSUM: tl.constexpr):
     """One K step of up to 4 rows of x (XROWS, from x_ptr) against the program's converted weight rows
     (p0*: row 0's _weight_floats, p1*: row 1's when ROWS == 2) by _x_row_sums; a{r}{m} accumulates weight
     row r against x row m."""
     a00, a10 = _x_row_sums(a00, a10, p00, p01, p02, p03, p10, p11, p12, p13, sc0, mn0, sc1, mn1, x_ptr, K, k, km,
-                           dt, FORMAT, ROWS, EVEN_K, C, VEC, EXACT, SYM)
+                           dt, FORMAT, ROWS, EVEN_K, C, VEC, EXACT, SYM, QUARTER_XSUM)
     if XROWS > 1:
         a01, a11 = _x_row_sums(a01, a11, p00, p01, p02, p03, p10, p11, p12, p13, sc0, mn0, sc1, mn1,
-                               x_ptr + stride_xm, K, k, km, dt, FORMAT, ROWS, EVEN_K, C, VEC, EXACT, SYM)
+                               x_ptr + stride_xm, K, k, km, dt, FORMAT, ROWS, EVEN_K, C, VEC, EXACT, SYM,
+                               QUARTER_XSUM)
     if XROWS > 2:
         a02, a12 = _x_row_sums(a02, a12, p00, p01, p02, p03, p10, p11, p12, p13, sc0, mn0, sc1, mn1,
-                               x_ptr + 2 * stride_xm, K, k, km, dt, FORMAT, ROWS, EVEN_K, C, VEC, EXACT, SYM)
+                               x_ptr + 2 * stride_xm, K, k, km, dt, FORMAT, ROWS, EVEN_K, C, VEC, EXACT, SYM,
+                               QUARTER_XSUM)
     if XROWS > 3:
         a03, a13 = _x_row_sums(a03, a13, p00, p01, p02, p03, p10, p11, p12, p13, sc0, mn0, sc1, mn1,
-                               x_ptr + 3 * stride_xm, K, k, km, dt, FORMAT, ROWS, EVEN_K, C, VEC, EXACT, SYM)
+                               x_ptr + 3 * stride_xm, K, k, km, dt, FORMAT, ROWS, EVEN_K, C, VEC, EXACT, SYM,
+                               QUARTER_XSUM)
     return a00, a01, a02, a03, a10, a11, a12, a13
 
 
@@ -463,7 +471,7 @@ def _x_rows_step(a00, a01, a02, a03, a10, a11, a12, a13, p00, p01, p02, p03, p10
 def _x_rows_step8(a00, a01, a02, a03, a10, a11, a12, a13, b00, b01, b02, b03, b10, b11, b12, b13, w0, sc0, mn0, w1,
                   sc1, mn1, x_ptr, stride_xm, K, k, km, dt: tl.constexpr, FORMAT: tl.constexpr, ROWS: tl.constexpr,
                   XROWS: tl.constexpr, EVEN_K: tl.constexpr, C: tl.constexpr, VEC: tl.constexpr, ASM: tl.constexpr,
-                  EXACT: tl.constexpr, SYM: tl.constexpr):
+                  EXACT: tl.constexpr, SYM: tl.constexpr, QUARTER_XSUM: tl.constexpr):
     """One K step of _gemv_x_rows_kernel: the step's weights (w0, and w1 when ROWS == 2) converted once,
     then summed against x rows 0-3 (accumulators a) and 4-7 (b) by _x_rows_step."""
     XA: tl.constexpr = 4 if XROWS > 4 else XROWS
@@ -473,11 +481,12 @@ def _x_rows_step8(a00, a01, a02, a03, a10, a11, a12, a13, b00, b01, b02, b03, b1
         p10, p11, p12, p13 = _weight_floats(w1, FORMAT, C, VEC, ASM, EXACT, SYM)
     a00, a01, a02, a03, a10, a11, a12, a13 = _x_rows_step(
         a00, a01, a02, a03, a10, a11, a12, a13, p00, p01, p02, p03, p10, p11, p12, p13, sc0, mn0, sc1, mn1, x_ptr,
-        stride_xm, K, k, km, dt, FORMAT, ROWS, XA, EVEN_K, C, VEC, EXACT, SYM)
+        stride_xm, K, k, km, dt, FORMAT, ROWS, XA, EVEN_K, C, VEC, EXACT, SYM, QUARTER_XSUM)
     if XROWS > 4:
         b00, b01, b02, b03, b10, b11, b12, b13 = _x_rows_step(
             b00, b01, b02, b03, b10, b11, b12, b13, p00, p01, p02, p03, p10, p11, p12, p13, sc0, mn0, sc1, mn1,
-            x_ptr + 4 * stride_xm, stride_xm, K, k, km, dt, FORMAT, ROWS, XROWS - 4, EVEN_K, C, VEC, EXACT, SYM)
+            x_ptr + 4 * stride_xm, stride_xm, K, k, km, dt, FORMAT, ROWS, XROWS - 4, EVEN_K, C, VEC, EXACT, SYM,
+            QUARTER_XSUM)
     return a00, a01, a02, a03, a10, a11, a12, a13, b00, b01, b02, b03, b10, b11, b12, b13
 
 
@@ -522,7 +531,7 @@ def _gemv_x_rows_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, par
                         HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr, GROUP_SIZE: tl.constexpr,
                         ROWS: tl.constexpr, XROWS: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
                         RESIDUAL: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr, EXACT: tl.constexpr,
-                        SYM: tl.constexpr):
+                        SYM: tl.constexpr, QUARTER_XSUM: tl.constexpr):
     """XROWS (1-8) rows of x against ROWS (1 or 2) rows of dense or w8 weights; program (row block, k split).
     The decode GEMV for a few sequences: each weight is loaded and converted once and summed against every
     row of x (XROWS FMAs a weight), where the tiled matmul dequantizes whole tiles for the tensor cores and
@@ -551,7 +560,7 @@ def _gemv_x_rows_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, par
     pdl_begin(PDL)
     a00, a01, a02, a03, a10, a11, a12, a13, b00, b01, b02, b03, b10, b11, b12, b13 = _x_rows_step8(
         a00, a01, a02, a03, a10, a11, a12, a13, b00, b01, b02, b03, b10, b11, b12, b13, w0, sc0, mn0, w1, sc1, mn1,
-        x_ptr, stride_xm, K, k, km, dt, FORMAT, ROWS, XROWS, EVEN_K, C, VEC, ASM, EXACT, SYM)
+        x_ptr, stride_xm, K, k, km, dt, FORMAT, ROWS, XROWS, EVEN_K, C, VEC, ASM, EXACT, SYM, QUARTER_XSUM)
     for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
         k, km, grp, cm = _step_columns(k0, k_hi, col, chunk, GROUP_SIZE)
         w0, sc0, mn0 = _load_row(r0, s0, m0, k, grp, km, cm, FORMAT, EVEN_K, SYM)
@@ -559,7 +568,7 @@ def _gemv_x_rows_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, par
             w1, sc1, mn1 = _load_row(r1, s1, m1, k, grp, km, cm, FORMAT, EVEN_K, SYM)
         a00, a01, a02, a03, a10, a11, a12, a13, b00, b01, b02, b03, b10, b11, b12, b13 = _x_rows_step8(
             a00, a01, a02, a03, a10, a11, a12, a13, b00, b01, b02, b03, b10, b11, b12, b13, w0, sc0, mn0, w1, sc1,
-            mn1, x_ptr, stride_xm, K, k, km, dt, FORMAT, ROWS, XROWS, EVEN_K, C, VEC, ASM, EXACT, SYM)
+            mn1, x_ptr, stride_xm, K, k, km, dt, FORMAT, ROWS, XROWS, EVEN_K, C, VEC, ASM, EXACT, SYM, QUARTER_XSUM)
     XA: tl.constexpr = 4 if XROWS > 4 else XROWS
     _x_rows_store(a00, a01, a02, a03, a10, a11, a12, a13, 0, n, N, pid_k, M, out_ptr, part_ptr, bias, res_ptr,
                   stride_om, stride_rm, XA, HAS_BIAS, SPLIT, RESIDUAL)
@@ -1299,6 +1308,16 @@ def exact_gemv(x_dtype: torch.dtype, out_dtype: torch.dtype) -> bool:
     return not (x_dtype == torch.bfloat16 and out_dtype == torch.bfloat16)
 
 
+def quarter_xsum(k: int) -> bool:
+    """Whether the w8 GEMVs of rows of k columns sum x's chunks from its quarters (_x_step). Under Triton 3.6 a sum
+    of the whole tile compiled through a lane exchange in the one-row GEMV of SmolLM2's short rows (960x576), in
+    another order than the x-rows GEMV's, so that the two differed in the last bit where the sums are inexact. From
+    the quarters they agree and SmolLM2 decodes faster (H200, w8 batch 1: 2,344-2,396 -> 2,399-2,440 tok/s); long
+    rows keep the tile's sum, which both kernels take alike, because there the quarters cost the 8B 3% (402.6 ->
+    389.7) and gained the 1B nothing."""
+    return k <= SHORT_K
+
+
 def _k_split(row: int, step: int, split: int) -> tuple[int, int]:
     """A row of `row` columns (w4: bytes) cut into at most `split` pieces of whole steps: (a piece's
     columns, the pieces)."""
@@ -1341,7 +1360,7 @@ def _gemv_x_rows(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, minim
         _gemv_x_rows_kernel[grid](
             x, data, scale, minimum, bias, out, part, resid, m, n, k, per, x.stride(0), data.stride(0),
             scale.stride(0) if fmt else 0, out.stride(0), resid.stride(0), FORMAT=fmt, BLOCK_K=step,
-            VEC=16 // data.element_size(), SYM=sym, **common)
+            VEC=16 // data.element_size(), SYM=sym, QUARTER_XSUM=quarter_xsum(k), **common)
     if split > 1:
         _sum_splits(part, bias, resid, out, split, w.bias is not None, res is not None)
 
@@ -1454,8 +1473,8 @@ def linear(x: torch.Tensor, w: LinearWeight, config: LinearConfig | None = None,
                 HAS_BIAS=w.bias is not None, SPLIT=split > 1, EVEN_K=even_k, GROUP_SIZE=max(w.group_size, 1),
                 ROWS=rows_per_program, BLOCK_K=block_k,
                 VEC=16 // data.element_size(), RESIDUAL=res2 is not None, **fused, ASM=asm_conversions(x.device),
-                EXACT=exact, SYM=sym, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **cap,
-                **pdl_launch(x.device))
+                EXACT=exact, SYM=sym, QUARTER_XSUM=quarter_xsum(k), num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages, **cap, **pdl_launch(x.device))
         else:
             tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
             _matmul_kernel[(tiles, split)](

@@ -114,13 +114,16 @@ def test_a_register_cap_leaves_the_decode_gemv_bit_for_bit(n: int, k: int, fmt: 
 def test_gemv_of_several_x_rows_at_real_shapes_gives_the_single_row_gemvs_bits(n: int, k: int, fmt: str) -> None:
     """A few sequences of grouped w8 or w4 through the GEMV of several x rows (the launch choose_config gives 2
     rows, for 2-8 rows of x; SmolLM2's short rows among the shapes): each row's result the one-row GEMV's bit
-    for bit, with the residual, and within bfloat16's error of the reference."""
+    for bit, with the residual, and within bfloat16's error of the reference. x spans 2**-20 to 2**2, so that
+    its chunk sums are inexact in float32 and a kernel that summed them in another order would differ."""
     w = make_weight(fmt, n, k, torch.bfloat16, bias=False, seed=n + k)
     cfg = tlin.choose_config(2, n, k, w.format, torch.device(DEV))
     assert cfg.kind == "gemv", cfg
+    gen = torch.Generator(device=DEV).manual_seed(n * k)
     for m in (2, 3, 4, 5, 8):
-        x = torch.randn(m, k, device=DEV).bfloat16()
-        res = torch.randn(m, n, device=DEV).bfloat16()
+        spread = 2.0 ** torch.randint(-20, 1, (m, k), device=DEV, generator=gen)
+        x = (torch.randn(m, k, device=DEV, generator=gen) * spread).bfloat16()
+        res = torch.randn(m, n, device=DEV, generator=gen).bfloat16()
         got = tlin.linear(x, w, cfg, residual=res)
         rows = torch.cat([tlin.linear(x[i:i + 1], w, cfg, residual=res[i:i + 1]) for i in range(m)])
         assert torch.equal(got, rows), m

@@ -173,7 +173,8 @@ def compile_gemv(fmt: str, n: int, k: int, arch: int = 90, max_registers: int | 
         pointers = {"xw_ptr": "*i32", "w_ptr": "*u8", "nw_ptr": "*i32"}
     elif fmt == "w8":
         fn, row = tlin._gemv_kernel, k
-        constexprs = dict(common, FORMAT=1, EVEN_K=k % step == 0, BLOCK_K=step, VEC=16)
+        constexprs = dict(common, FORMAT=1, EVEN_K=k % step == 0, BLOCK_K=step, VEC=16,
+                          QUARTER_XSUM=tlin.quarter_xsum(k))
         pointers = {"x_ptr": "*bf16", "w_ptr": "*u8", "nw_ptr": "*bf16"}
     else:
         raise ValueError(f"edged bench sass counts the w8 and w4 GEMVs, not {fmt!r}")
@@ -205,7 +206,7 @@ def compile_gemv_x_rows(n: int, k: int, xrows: int, arch: int = 90, sym: bool = 
         ints.update(KB=row, kb_per_split=per, stride_xw=row)
     else:
         fn = tlin._gemv_x_rows_kernel
-        constexprs.update(FORMAT=1, BLOCK_K=step, VEC=16, SYM=sym)
+        constexprs.update(FORMAT=1, BLOCK_K=step, VEC=16, SYM=sym, QUARTER_XSUM=tlin.quarter_xsum(k))
         pointers["x_ptr"] = "*bf16"
         ints.update(K=k, k_per_split=per, stride_xm=k)
     return _compile(fn, *_signature(fn, pointers, ints, constexprs), arch, cfg), cfg
