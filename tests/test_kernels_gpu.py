@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from edged.kernels import reference
-from edged.kernels.weights import LinearWeight, quantize_w4, quantize_w8  # noqa: F401
+from edged.kernels.weights import LinearWeight, dequantize, quantize_w4, quantize_w8  # noqa: F401
 
 from edged.kernels import triton_attention as tattn
 from edged.kernels import triton_linear as tlin
@@ -181,8 +181,6 @@ def test_batched_w8_matmul_rounds_each_weight_once_to_the_activation_dtype(fmt: 
     batched grouped w8 matmul: each equals the exact weight rounded once to bfloat16, bit for bit (the
     one-FMA forms of q * scale + minimum, symmetric w8's (32768 + q) * s - 32896 * s from PTX's bytes included,
     round nowhere else). Rows of scales from 1e-6 to 10."""
-    from edged.kernels.weights import dequantize
-
     n, k = 1031, 1024
     g = torch.Generator(device=DEV).manual_seed(5)
     dense = torch.randn(n, k, device=DEV, generator=g) * 10 ** (torch.rand(n, 1, device=DEV, generator=g) * 7 - 6)
