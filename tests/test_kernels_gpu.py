@@ -81,6 +81,26 @@ def test_linear_w4_groups(fmt: str, group: int) -> None:
         assert rel_err(ops.linear(x, w), ref_linear(x, w)) < REL[torch.bfloat16]
 
 
+@pytest.mark.parametrize("n,k,group", [(6144, 4096, 32), (4099, 14336, 32), (2048, 8192, 128), (960, 576, 32),
+                                         (3072, 3072, 64)])
+def test_w4_tensor_core_gemv_ptx_pairs_equal_the_reference(n: int, k: int, group: int) -> None:
+    """kernels/triton_w4_dot.py on sm_90 (PTX nibble pairs, the relabelled register tile, wgmma) and its portable
+    form: within the GEMV's bound of the reference, with K splits, a bias and the residual."""
+    from edged.kernels.triton_w4_dot import shuffle_w4_tiles, w4_dot_linear
+
+    w = make_weight("w4", n, k, torch.bfloat16, bias=True, group=group, seed=n + k)
+    words = shuffle_w4_tiles(w.data)
+    x = torch.randn(1, k, device=DEV).bfloat16()
+    res = torch.randn(1, n, device=DEV).bfloat16()
+    want = ref_linear(x, w)
+    for split in (1, 3, 8):
+        for asm in (True, False):
+            got = w4_dot_linear(x, words, w.scale, w.minimum, n, group, bias=w.bias, split=split, asm=asm)
+            assert rel_err(got, want) < REL[torch.bfloat16], (split, asm)
+    got = w4_dot_linear(x, words, w.scale, w.minimum, n, group, bias=w.bias, residual=res, split=2)
+    assert rel_err(got - res, want) < REL[torch.bfloat16]
+
+
 @pytest.mark.parametrize("fmt", ["dense", "w8", "w8sym", "w4"])
 def test_linear_gemv_variants(fmt: str) -> None:
     """Every GEMV shape of program the sweeps consider, on a ragged N, with K splits."""

@@ -162,6 +162,42 @@ def test_linear_w4_gemv_bf16_x_words() -> None:
     assert (got - want).abs().max().item() <= 1e-2 * want.abs().max().item()
 
 
+# the tensor-core w4 GEMV (kernels/triton_w4_dot.py): measured, not launched by linear; its portable form here
+@pytest.mark.parametrize("n,k,group,dtype,split,bias,residual", [
+    (128, 512, 32, torch.float16, 1, False, False),  # one tile, one cycle
+    (200, 1024, 32, torch.float32, 2, True, False),  # a part tile of rows, two K splits
+    (130, 576, 32, torch.float16, 1, False, True),  # a cycle's tail: steps past K read against zeros of x
+    (64, 224, 32, torch.float32, 1, False, False),  # K not a whole step
+    (128, 2048, 64, torch.float16, 2, False, True),
+    (96, 2048, 128, torch.float32, 1, True, True),
+])
+def test_w4_tensor_core_gemv_equals_the_reference(n: int, k: int, group: int, dtype: torch.dtype, split: int,
+                                                   bias: bool, residual: bool) -> None:
+    from edged.kernels.triton_w4_dot import shuffle_w4_tiles, w4_dot_linear
+
+    torch.manual_seed(n + k)
+    w = _weight("w4", n, k, torch.float32, bias, group)
+    x = torch.randn(1, k).to(dtype)
+    res = torch.randn(1, n).to(dtype) if residual else None
+    got = w4_dot_linear(x, shuffle_w4_tiles(w.data), w.scale, w.minimum, n, group,
+                        bias=None if w.bias is None else w.bias.to(dtype), residual=res, split=split)
+    want = reference.linear(x.float(), _as_f32(w))
+    if residual:
+        want = want.to(dtype).float() + res.float()
+    torch.testing.assert_close(got.float(), want, **TOL[dtype])
+
+
+def test_w4_tensor_core_gemv_refuses_what_it_cannot_compute() -> None:
+    from edged.kernels.triton_w4_dot import shuffle_w4_tiles, w4_dot_linear
+
+    w = _weight("w4", 128, 256, torch.float32, False)
+    words = shuffle_w4_tiles(w.data)
+    with pytest.raises(ValueError, match="not the tiles"):
+        w4_dot_linear(torch.randn(1, 512), words, w.scale, w.minimum, 128, 32)
+    with pytest.raises(ValueError, match="PTX nibble pairs are bfloat16"):
+        w4_dot_linear(torch.randn(1, 256).half(), words, w.scale, w.minimum, 128, 32, asm=True)
+
+
 @pytest.mark.parametrize("fmt", ["dense", "w8", "w8sym"])
 def test_linear_gemv_ragged_k(fmt: str) -> None:
     torch.manual_seed(0)

@@ -256,9 +256,39 @@ def _decode_time_cfg(batch: int, ctx: int, int8: bool, block_t: int, warps: int)
     return t, kv_bytes(batch, ctx, 8, 128, int8)
 
 
+def w4_tensor_core_report(copies: int = 8) -> None:
+    """The tensor-core w4 decode GEMV (kernels/triton_w4_dot.py, not launched by linear) against linear's w4 and
+    w8 GEMVs at the 1B and 8B decode shapes and two of SmolLM2's: us a call, its best K split, and its speed
+    against each GEMV."""
+    from edged.kernels.triton_w4_dot import shuffle_w4_tiles, w4_dot_linear
+
+    print("decode linear (M = 1, bf16), us per call: linear's w8 and w4 GEMVs against the tensor-core w4 GEMV at "
+          "K splits 1 / 2 / 4 / 8 (best kept)", flush=True)
+    print(f"{'N x K':>12} {'w8 GEMV':>8} {'w4 GEMV':>8} {'w4 dot':>8} {'split':>5} {'dot/w4':>7} {'dot/w8':>7}",
+          flush=True)
+    for n, k in ((3072, 576), (576, 1536), (3072, 2048), (16384, 2048), (2048, 8192), (6144, 4096), (4096, 4096),
+                 (28672, 4096), (4096, 14336)):
+        x = torch.randn(1, k, device=DEV).bfloat16()
+        w8 = _weights("w8", n, k, torch.bfloat16, 32, copies)
+        t8 = _graph_time(lambda i=0: tlin.linear(x, w8[i % copies]))
+        w4 = _weights("w4", n, k, torch.bfloat16, 32, copies)
+        t4 = _graph_time(lambda i=0: tlin.linear(x, w4[i % copies]))
+        words = [shuffle_w4_tiles(w.data) for w in w4]
+        dot = {split: _graph_time(lambda i=0: w4_dot_linear(x, words[i % copies], w4[i % copies].scale,
+                                                            w4[i % copies].minimum, n, 32, split=split))
+               for split in (1, 2, 4, 8)}
+        split, td = min(dot.items(), key=lambda kv: kv[1])
+        print(f"{f'{n}x{k}':>12} {t8 * 1e6:8.1f} {t4 * 1e6:8.1f} {td * 1e6:8.1f} {split:>5} {t4 / td:6.2f}x "
+              f"{t8 / td:6.2f}x", flush=True)
+        del words
+
+
 def run_kernels_bench(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         print("edged bench kernels: needs a CUDA GPU", file=sys.stderr)
         return 1
+    if getattr(args, "w4_tensor_cores", False):
+        w4_tensor_core_report()
+        return 0
     report(sweep=getattr(args, "sweep", False))
     return 0
