@@ -14,7 +14,7 @@ instructions a weight on sm_90 (an FMA and a nibble's conversion each). Here a t
 `edged bench kernels --w4-tensor-cores` times it against the GEMVs.
 
 On the H200 (docs/BENCHMARKS.md, session 29) it is correct (the GEMV's error against the float32 reference) but
-0.52-0.67x the GEMV's speed at the 1B and 8B shapes: 255 registers a thread (2 programs an SM) and a block-diagonal
+0.51-0.65x the GEMV's speed at the 1B and 8B shapes: 255 registers a thread (2 programs an SM) and a block-diagonal
 x built and stored to shared memory every 128 columns keep it latency-bound at 1.2-1.8 TB/s, where the GEMV reads
 2.1-3.1 TB/s. So `linear` keeps the GEMV; this stays, tested, as the measured base for a version with the x operand
 built once (Gluon or TMA).
@@ -109,6 +109,7 @@ def _tile(w, dt: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM
         p1 = _pair_ints(w, 1)
         p2 = _pair_ints(w, 2)
         p3 = _pair_ints(w, 3)
+    # RELABEL_ORDER, written out: tl.permute takes no module-level tuple
     pairs = tl.permute(_join4(p0, p1, p2, p3).reshape(2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2),
                        (0, 2, 3, 1, 4, 5, 6, 9, 10, 11, 12, 7, 8)).reshape(BLOCK_N, BLOCK_K // 2)
     if ASM:
