@@ -18,6 +18,7 @@ from edged.kernels import triton_attention as tattn
 from edged.kernels import triton_linear as tlin
 from edged.kernels import triton_ops as ops
 from edged.kernels import triton_sampling as tsamp
+from edged.kernels.triton_w4_dot import shuffle_w4_tiles, w4_dot_linear
 from helpers import kernel_inputs
 
 # Marked, not skipped at import: on a CPU machine these show in the count as skipped.
@@ -86,8 +87,6 @@ def test_linear_w4_groups(fmt: str, group: int) -> None:
 def test_w4_tensor_core_gemv_ptx_pairs_equal_the_reference(n: int, k: int, group: int) -> None:
     """kernels/triton_w4_dot.py on sm_90 (PTX nibble pairs, the relabelled register tile, wgmma) and its portable
     form: within the GEMV's bound of the reference, with K splits, a bias and the residual."""
-    from edged.kernels.triton_w4_dot import shuffle_w4_tiles, w4_dot_linear
-
     w = make_weight("w4", n, k, torch.bfloat16, bias=True, group=group, seed=n + k)
     words = shuffle_w4_tiles(w.data)
     x = torch.randn(1, k, device=DEV).bfloat16()

@@ -45,6 +45,7 @@ if INTERPRETED:
     from edged.kernels import triton_ops as ops
     from edged.kernels import triton_sampling as tsamp
     from edged.kernels.triton_convert import magic_nibbles_f32, magic_u8_f32
+    from edged.kernels.triton_w4_dot import shuffle_w4_tiles, w4_dot_linear
 
     @triton.jit
     def _magic_floats_kernel(b_ptr, u8_ptr, lo_ptr, hi_ptr):
@@ -173,8 +174,6 @@ def test_linear_w4_gemv_bf16_x_words() -> None:
 ])
 def test_w4_tensor_core_gemv_equals_the_reference(n: int, k: int, group: int, dtype: torch.dtype, split: int,
                                                    bias: bool, residual: bool) -> None:
-    from edged.kernels.triton_w4_dot import shuffle_w4_tiles, w4_dot_linear
-
     torch.manual_seed(n + k)
     w = _weight("w4", n, k, torch.float32, bias, group)
     x = torch.randn(1, k).to(dtype)
@@ -188,8 +187,6 @@ def test_w4_tensor_core_gemv_equals_the_reference(n: int, k: int, group: int, dt
 
 
 def test_w4_tensor_core_gemv_refuses_what_it_cannot_compute() -> None:
-    from edged.kernels.triton_w4_dot import shuffle_w4_tiles, w4_dot_linear
-
     w = _weight("w4", 128, 256, torch.float32, False)
     words = shuffle_w4_tiles(w.data)
     with pytest.raises(ValueError, match="not the tiles"):
