@@ -27,9 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_counters import check_groups, split_counters
 from .triton_convert import asm_conversions
-from .triton_linear import _gemv_store
+from .triton_linear import _gemv_counters, _gemv_epilogue_inputs, _gemv_store, _k_split
 from .triton_pdl import pdl_begin, pdl_launch
 
 GROUPS_PER_CYCLE = 16  # the block-diagonal x's columns: tl.dot's smallest N
@@ -135,7 +134,7 @@ def _w4_dot_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr
     K split of k_per_split columns (a whole number of cycles of GROUPS_PER_CYCLE groups)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    G: tl.constexpr = 16
+    G: tl.constexpr = 16  # GROUPS_PER_CYCLE (a jit function reads no plain module global)
     CYCLE: tl.constexpr = G * GROUP_SIZE
     STEPS: tl.constexpr = CYCLE // BLOCK_K
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -170,13 +169,7 @@ def _w4_dot_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr
         mn = tl.load(min_ptr + rows[:, None] * stride_sn + grp[None, :], mask=gm[None, :], other=0.0).to(tl.float32)
         acc += p * sc + (mn - 128.0 * sc) * xs[None, :]
     y = tl.sum(acc, axis=1)
-    n_ld = tl.minimum(n, N - 1)
-    bias = 0.0
-    res = 0.0
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + n_ld).to(tl.float32)
-    if RESIDUAL:
-        res = tl.load(res_ptr + n_ld).to(tl.float32)
+    bias, res = _gemv_epilogue_inputs(n, N, bias_ptr, res_ptr, HAS_BIAS, RESIDUAL, False)
     _gemv_store(y, n, N, pid_n, pid_k, num_splits, bias_ptr, out_ptr, part_ptr, counters_ptr, bias, res,
                 HAS_BIAS, SPLIT, RESIDUAL, False, 4)
 
@@ -199,14 +192,11 @@ def w4_dot_linear(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, min
     tiles_n = -(-n // BLOCK_N)
     if words.shape != (tiles_n, -(-k // BLOCK_K), BLOCK_N * BLOCK_K // 8):
         raise ValueError(f"words {tuple(words.shape)} are not the tiles of a {n} x {k} weight")
-    per = -(-(-(-k // split)) // cycle) * cycle
-    split = -(-k // per)
+    per, split = _k_split(k, cycle, split)
     x = x.reshape(1, k).contiguous()
     out = torch.empty(1, n, dtype=out_dtype, device=x.device)
-    if split > 1:
-        check_groups(tiles_n)
     part = torch.empty(split, n, dtype=torch.float32, device=x.device) if split > 1 else out
-    counters = split_counters(x.device) if split > 1 else out
+    counters = _gemv_counters(x.device, tiles_n, split, out)
     res = residual.reshape(1, n).to(out_dtype).contiguous() if residual is not None else out
     _w4_dot_kernel[(tiles_n, split)](
         x, words, scale, minimum, bias if bias is not None else out, out, part, counters, res, n, k, per, split,
