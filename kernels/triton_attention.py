@@ -248,12 +248,26 @@ def decode_splits(batch_heads: int, max_context: int, block_t: int, device: torc
     return max(1, min(want, max_context // block_t, 64))
 
 
+def decode_tile(batch_heads: int, max_context: int, head_dim: int, int8: bool, device: torch.device) -> int:
+    """Tokens a step (block_t) of attention_decode on a GPU: about 4096 K elements (64 tokens of a 64-wide head),
+    no more than a split's slice of the context (decode_splits at 32 tokens); 32 tokens for int8 caches.
+    H200, 512-token context, the decode step's CUDA graph against 32-token tiles, w8 tok/s: 1B batch 32
+    18,674 -> 19,585, batch 64 28,776 -> 32,611; SmolLM2 batch 64 38,814 -> 42,500; the 8B (128-wide heads:
+    32-token tiles) unchanged. 8 warps, single splits and 128-token tiles measured no faster, 64-token tiles
+    of an int8 cache 1.26x slower (docs/BENCHMARKS.md, session 30)."""
+    if int8:
+        return 32
+    slice_tokens = -(-max_context // decode_splits(batch_heads, max_context, 32, device))
+    return max(16, min(128, 4096 // triton.next_power_of_2(head_dim), 1 << (slice_tokens.bit_length() - 1)))
+
+
 def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      context_lens: torch.Tensor, scale: float, k_scale: torch.Tensor | None = None,
                      v_scale: torch.Tensor | None = None, num_splits: int | None = None,
-                     block_t: int | None = None, num_warps: int = 4) -> torch.Tensor:
+                     block_t: int | None = None, num_warps: int = 4,
+                     num_stages: int | None = None) -> torch.Tensor:
     """q [B,Hq,D] (the token at position context_len - 1) over its cached context; out [B,Hq,D].
-    num_splits, block_t (tokens a step) and num_warps override the heuristics (tests, sweeps).
+    num_splits, block_t (tokens a step), num_warps and num_stages override the heuristics (tests, sweeps).
     Under PDL the cache, block tables and context lengths are read before the wait on the kernel launched
     just before, but for each sequence's newest token: that kernel may write the newest token's K/V
     (rope_write_kv does), nothing else of these."""
@@ -266,10 +280,12 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if batch == 0:
         return out
     on_gpu = q.is_cuda
-    block_t = block_t or (32 if on_gpu else 16)  # 32: best on an H200 for bf16 and int8 caches
+    max_context = block_tables.shape[1] * k_cache.shape[1]
+    if block_t is None:
+        block_t = decode_tile(batch * n_kv, max_context, head_dim, k_scale is not None, q.device) if on_gpu else 16
     block_d = triton.next_power_of_2(head_dim)
     if num_splits is None:
-        num_splits = decode_splits(batch * n_kv, block_tables.shape[1] * k_cache.shape[1], block_t, q.device)
+        num_splits = decode_splits(batch * n_kv, max_context, min(block_t, 32), q.device)
     split = num_splits > 1
     if split:
         po = torch.empty(batch, n_heads, num_splits, block_d, dtype=torch.float32, device=q.device)
@@ -284,7 +300,7 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], *ss,
         block_tables.stride(0), out.stride(0), out.stride(1),
         INT8=k_scale is not None, SPLIT=split, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
-        BLOCK_T=block_t, num_warps=num_warps, num_stages=2 if on_gpu else 1, **pdl_launch(q.device))
+        BLOCK_T=block_t, num_warps=num_warps, num_stages=num_stages or (2 if on_gpu else 1), **pdl_launch(q.device))
     if split:
         _decode_reduce_kernel[(batch, n_heads)](
             po, plse, out, n_heads, num_splits, head_dim, out.stride(0), out.stride(1),

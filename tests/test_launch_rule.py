@@ -1,8 +1,8 @@
 """choose_config's decode launches for an H200 (132 SMs) where the session 25-27 sweeps changed them: the
 register cap of the large one-row w8 GEMVs, 2 warps a program for the one-row GEMVs of long rows in 2049-8192 rows,
 2 warps and a register cap for the large one-row w4 GEMVs, and the plain matmul for SmolLM2's short rows at 33-64
-sequences. The kernels each launch runs are tested on the GPU (test_kernels_gpu.py) and compiled in
-test_bench_sass.py."""
+sequences; and attention_decode's tile (session 30). The kernels each launch runs are tested on the GPU
+(test_kernels_gpu.py) and compiled in test_bench_sass.py."""
 from __future__ import annotations
 
 import pytest
@@ -10,6 +10,7 @@ import torch
 
 pytest.importorskip("triton")
 
+from edged.kernels import triton_attention as tattn  # noqa: E402
 from edged.kernels import triton_linear as tlin  # noqa: E402
 
 CUDA = torch.device("cuda")  # choose_config only reads the device's kind; sm_count stands for the H200's SMs
@@ -84,3 +85,25 @@ def test_short_w8_rows_at_33_to_64_sequences_take_the_plain_matmul_with_ptx_dequ
         cfg = _config(m, n, k, "w8")
         assert (cfg.block_n, cfg.swap, cfg.asm_dequant) == (128, True, False), (n, k, cfg)
     assert not _config(m, 960, 576, "w4").asm_dequant  # w4's tiles are its own
+
+
+def test_decode_attention_tiles_hold_about_4096_elements_within_a_split_and_32_tokens_of_int8_caches(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """64-wide heads (SmolLM2, 1B) read 64 tokens a step, 128-wide (8B) 32, at the decode bench's 512-token context
+    (a 37-block table) where a split holds 64 or more tokens; batch 1's splits are 32-35 tokens, so its tile stays 32; int8 caches keep
+    32 (64 measured 1.26x slower)."""
+    monkeypatch.setattr(tattn, "_sm_count", lambda device: 132)
+
+    def tile(batch: int, kv_heads: int, head_dim: int, int8: bool = False, blocks: int = 37) -> int:
+        return tattn.decode_tile(batch * kv_heads, blocks * 16, head_dim, int8, CUDA)
+
+    assert {tile(b, 8, 64) for b in (8, 16, 32, 64)} | {tile(b, 3, 64) for b in (16, 32, 64)} == {64}
+    assert tile(8, 3, 64) == 32  # SmolLM2's batch 8: 11 splits of 54 tokens
+    assert {tile(b, 8, 128) for b in (8, 16, 32, 64)} == {32}
+    assert tile(8, 4, 96) == 32  # a power of two (tl.arange's rule), as for a 128-wide head
+    assert {tile(b, 8, d, int8=True) for b in (1, 64) for d in (64, 128)} == {32}
+    assert tile(1, 8, 64) == 32 and tile(1, 8, 64, blocks=512) == 64  # a split of 34 tokens, then of 248
+    for batch, kv, d, blocks in ((1, 8, 64, 37), (2, 3, 64, 5), (1, 8, 32, 512), (64, 8, 256, 37)):
+        context = blocks * 16
+        splits = tattn.decode_splits(batch * kv, context, 32, CUDA)
+        assert 16 <= tile(batch, kv, d, blocks=blocks) <= max(16, -(-context // splits)), (batch, kv, d, blocks)
