@@ -90,8 +90,8 @@ def test_short_w8_rows_at_33_to_64_sequences_take_the_plain_matmul_with_ptx_dequ
 def test_decode_attention_tiles_hold_about_4096_elements_within_a_split_and_32_tokens_of_int8_caches(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """64-wide heads (SmolLM2, 1B) read 64 tokens a step, 128-wide (8B) 32, at the decode bench's 512-token context
-    (a 37-block table) where a split holds 64 or more tokens; batch 1's splits are 32-35 tokens, so its tile stays 32; int8 caches keep
-    32 (64 measured 1.26x slower)."""
+    (a 37-block table) where a split holds 64 or more tokens; batch 1's splits are 32-35 tokens, so its tile stays
+    32; int8 caches keep 32 (64 measured 1.26x slower)."""
     monkeypatch.setattr(tattn, "_sm_count", lambda device: 132)
 
     def tile(batch: int, kv_heads: int, head_dim: int, int8: bool = False, blocks: int = 37) -> int:
