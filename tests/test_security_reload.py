@@ -88,11 +88,12 @@ def replace(path: Path, text: str) -> None:
 
 
 def restore(d: DaemonProcess, text: str = AUTH_ON) -> None:
-    """Put a valid config back and wait until the daemon has read it."""
+    """Put a valid config back and wait until every process has applied it ("config reloaded" comes earlier, when
+    the supervisor has read it and the workers may still serve the previous config)."""
     assert d.config_path is not None
     mark = len(d.lines)
     replace(d.config_path, text)
-    assert d.wait_for_log("config reloaded", 30, start=mark), d.log_text()[-2000:]
+    assert d.wait_for_log("config applied", 30, start=mark), d.log_text()[-2000:]
 
 
 def unreadable(path: Path) -> None:
