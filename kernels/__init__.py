@@ -31,7 +31,7 @@ from .weights import LinearWeight, concat_out, dequantize, pack_w4, quantize_w4,
 
 __all__ = [
     "LinearWeight", "concat_out", "dequantize", "pack_w4", "quantize_w4", "quantize_w8",
-    "linear", "rms_norm", "rope", "silu_and_mul", "write_kv", "rope_write_kv", "attention_decode",
+    "linear", "linear_add_norm", "rms_norm", "rope", "silu_and_mul", "write_kv", "rope_write_kv", "attention_decode",
     "attention_prefill", "argmax", "sample", "backend_for",
 ]
 
@@ -85,6 +85,14 @@ def linear(x: torch.Tensor, w: LinearWeight, out_dtype: torch.dtype | None = Non
     GEMV)."""
     return backend_for(x).linear(x, w, out_dtype=out_dtype, norm_weight=norm_weight, norm_eps=norm_eps,
                                  silu_mul=silu_mul, residual=residual, silu_mul_out=silu_mul_out)
+
+
+def linear_add_norm(x: torch.Tensor, w: LinearWeight, residual: torch.Tensor, norm_weight: torch.Tensor,
+                    norm_eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """An output projection and the norm after it: h = linear(x, w, residual=residual), the residual stream,
+    and rms_norm(h, norm_weight, norm_eps)'s output, or None where the implementation leaves that norm to
+    the next linear's norm_weight (the same numbers; the GPU makes it in the split-K sum of several rows)."""
+    return backend_for(x).linear_add_norm(x, w, residual, norm_weight, norm_eps)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -138,6 +138,12 @@ def linear(x: torch.Tensor, w: LinearWeight, out_dtype: torch.dtype | None = Non
     return y + residual
 
 
+def linear_add_norm(x: torch.Tensor, w: LinearWeight, residual: torch.Tensor, norm_weight: torch.Tensor,
+                    norm_eps: float) -> tuple[torch.Tensor, None]:
+    """The projection with its residual add; the norm after it is left to the next linear's norm_weight."""
+    return linear(x, w, residual=residual), None
+
+
 def _linear(x: torch.Tensor, w: LinearWeight, out_dtype: torch.dtype | None) -> torch.Tensor:
     out_dtype = out_dtype or x.dtype
     p = _packed(w)

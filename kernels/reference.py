@@ -47,6 +47,13 @@ def linear(x: torch.Tensor, w: LinearWeight, out_dtype: torch.dtype | None = Non
     return y if residual is None else y + residual
 
 
+def linear_add_norm(x: torch.Tensor, w: LinearWeight, residual: torch.Tensor, norm_weight: torch.Tensor,
+                    norm_eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """h = linear(x, w, residual=residual) and rms_norm(h, norm_weight, norm_eps)'s output."""
+    h = linear(x, w, residual=residual)
+    return h, rms_norm(h, norm_weight, norm_eps)[0]
+
+
 def check_silu_mul_out(w: LinearWeight, residual: torch.Tensor | None) -> None:
     """linear's silu_mul_out needs [gate | up] rows (an even count) and no residual add."""
     if residual is not None or w.out_features % 2:

@@ -20,6 +20,9 @@ Paths, by the number of rows M of x:
   rows take the weight tile as the dot's first operand (_matmul_kernel's SWAP), except 4-16 rows of
   long rows (K > SHORT_K), which keep the plain form and make bytes floats by PTX (ASM); w4 takes the
   swap form at 9-16 short rows. Dense weights from M = 2 on go to cuBLAS.
+  Split K, both sum their float32 partials in split order in a kernel after them, which in models of short
+  rows (SmolLM2) also makes silu(gate) * up of a [gate | up] weight, and the norm after an output
+  projection (linear_add_norm): two kernels a layer fewer.
   Both dequantize their weight tile in float32 (q * scale + minimum per group) and round it to the
   activation dtype for the dot; a w8 row that is one group (in_features not a multiple of 32) dots
   the raw q (exact in any dtype) and applies scale * dot + minimum * sum(x) after the K loop.
@@ -41,7 +44,7 @@ from .triton_convert import (asm_conversions, magic_nibbles_f32, magic_nibbles_f
                              magic_u8_f32_asm, small_uint_to_f32)
 from .triton_activation import silu_and_mul
 from .triton_counters import arrive, check_groups, split_counters
-from .triton_norm import rms_norm
+from .triton_norm import norm_warps, rms_norm
 from .reference import check_silu_mul_out
 from .triton_pdl import pdl_begin, pdl_launch
 from .weights import LinearWeight
@@ -1089,18 +1092,67 @@ def _matmul_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr
 
 
 @triton.jit
-def _splitk_reduce_kernel(part_ptr, bias_ptr, res_ptr, out_ptr, MN, N, num_splits,
-                          HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
-                          PART_EVICT: tl.constexpr):
-    """out[m, n] = sum over splits of part[s, m, n] (+ bias[n], + res[m, n]: _epilogue), in a fixed
-    order (deterministic). PART_EVICT: the partials' L2 eviction policy."""
+def _split_sum(ptrs, part_stride, mask, SPLITS: tl.constexpr, PART_EVICT: tl.constexpr):
+    """The SPLITS partials at ptrs summed in split order, the loop unrolled so that every split's load is in
+    flight at once, not one L2 round trip after another (H200 decode step, session 31, tok/s at batch 64, w8:
+    1B 33,094 -> 34,551, SmolLM2 43,294 -> 44,805, 8B 7,339 -> 7,482; 1B w4 26,800 -> 29,036)."""
+    acc = tl.zeros(ptrs.shape, dtype=tl.float32)
+    for s in tl.static_range(SPLITS):
+        acc += tl.load(ptrs + s * part_stride, mask=mask, other=0.0, eviction_policy=PART_EVICT)
+    return acc
+
+
+@triton.jit
+def _splitk_reduce_kernel(part_ptr, bias_ptr, res_ptr, out_ptr, n_out, N, part_stride,
+                          HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr, GATED: tl.constexpr, BLOCK: tl.constexpr,
+                          SPLITS: tl.constexpr, PDL: tl.constexpr, PART_EVICT: tl.constexpr):
+    """out[m, n] = sum over the SPLITS splits of part[s, m, n] (+ bias[n], + res[m, n]: _epilogue), in a fixed
+    order (deterministic). GATED: part's rows are [gate | up] and out [M, N / 2] is silu(gate) * up of
+    the sums, each rounded to the output dtype first, as silu_and_mul reads linear's output.
+    PART_EVICT: the partials' L2 eviction policy."""
     pdl_begin(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < MN
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for s in range(num_splits):
-        acc += tl.load(part_ptr + s * MN + offs, mask=mask, other=0.0, eviction_policy=PART_EVICT)
-    _epilogue(acc, offs % N, mask, out_ptr + offs, bias_ptr, res_ptr + offs, HAS_BIAS, RESIDUAL)
+    mask = offs < n_out
+    if GATED:
+        half = N // 2
+        col = offs % half
+        at = part_ptr + (offs // half) * N + col
+        g = _split_sum(at, part_stride, mask, SPLITS, PART_EVICT)
+        u = _split_sum(at + half, part_stride, mask, SPLITS, PART_EVICT)
+        if HAS_BIAS:
+            g += tl.load(bias_ptr + col).to(tl.float32)
+            u += tl.load(bias_ptr + half + col).to(tl.float32)
+        dt = out_ptr.dtype.element_ty
+        tl.store(out_ptr + offs, _silu_mul(_round_as(g, dt), _round_as(u, dt)).to(dt), mask=mask)
+    else:
+        acc = _split_sum(part_ptr + offs, part_stride, mask, SPLITS, PART_EVICT)
+        _epilogue(acc, offs % N, mask, out_ptr + offs, bias_ptr, res_ptr + offs, HAS_BIAS, RESIDUAL)
+
+
+@triton.jit
+def _splitk_reduce_norm_kernel(part_ptr, bias_ptr, res_ptr, out_ptr, nw_ptr, normed_ptr, N, part_stride, eps,
+                               HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+                               SPLITS: tl.constexpr, PDL: tl.constexpr, PART_EVICT: tl.constexpr):
+    """_splitk_reduce_kernel's sum of one row m (out[m] = the residual stream after the linear), then
+    normed[m] = rms_norm(out[m]) * nw: triton_norm's kernel on the rounded row, without its launch."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    # the norm weight is never written during a step: under PDL its load overlaps the previous kernel
+    w = tl.load(nw_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    pdl_begin(PDL)
+    at = row * N + cols
+    acc = _split_sum(part_ptr + at, part_stride, mask, SPLITS, PART_EVICT)
+    bias, res = _epilogue_inputs(tl.minimum(cols, N - 1), mask, bias_ptr, res_ptr + at, HAS_BIAS, RESIDUAL)
+    if HAS_BIAS:
+        acc += bias
+    h = acc.to(out_ptr.dtype.element_ty)
+    if RESIDUAL:
+        h = (h.to(tl.float32) + res).to(h.dtype)
+    tl.store(out_ptr + at, h, mask=mask)
+    hf = tl.where(mask, h.to(tl.float32), 0.0)
+    inv = tl.rsqrt(tl.sum(hf * hf, axis=0) / N + eps)
+    tl.store(normed_ptr + at, (w * (hf * inv)).to(normed_ptr.dtype.element_ty), mask=mask)
 
 
 _X_KINDS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
@@ -1286,6 +1338,11 @@ X_ROWS_GEMV_MAX = 3  # rows of x up to which grouped w8 and w4 take the GEMV of 
 X_ROWS_GEMV_MAX_SHORT_K = 4  # the same where rows are short (SmolLM2: K <= SHORT_K)
 X_ROWS_GEMV_MAX_SHORT_K_W4 = 8  # and for w4 where rows are short
 SHORT_K = 1536
+# the hidden sizes up to which a split-K sum of several rows makes silu(gate) * up and the norm after, saving two
+# kernels a layer. H200 decode step (session 31), tok/s at batch 64, w8: SmolLM2 (576) 44,805 -> 47,411; the
+# 1B (2048) 34,551 -> 33,643 and 1B w4 29,036 -> 28,089 (a row norm a program: 64 programs at batch 64), 8B
+# (4096) 7,482 -> 7,469; the gate alone: 1B 33,533, 8B 7,524
+SUM_FUSES_MAX_HIDDEN = 1024
 LONG_ROW_GEMV_WARPS = 2  # warps a program of the one-row GEMVs of long rows in 2049-8192 rows (choose_config)
 LARGE_GEMV_W4_WARPS = 2  # and of the one-row w4 GEMVs of more than 8192 rows (choose_config)
 LARGE_GEMV_W8_MAX_REGISTERS = 104  # ptxas cap on the one-row w8 GEMVs of 4096-column steps (choose_config)
@@ -1326,25 +1383,42 @@ def _k_split(row: int, step: int, split: int) -> tuple[int, int]:
     return per, -(-row // per)
 
 
+@dataclass(frozen=True)
+class NormAfter:
+    """An RMSNorm of the linear's result (the residual stream), made by the split-K sum (linear_add_norm)."""
+    weight: torch.Tensor
+    eps: float
+    out: torch.Tensor  # [M, N], written by the sum
+
+
 def _sum_splits(part: torch.Tensor, bias: torch.Tensor, res: torch.Tensor, out: torch.Tensor, split: int,
-                has_bias: bool, residual: bool, stream: bool = False) -> None:
+                has_bias: bool, residual: bool, stream: bool = False, gated: bool = False,
+                norm: NormAfter | None = None) -> None:
     """out = the split-K partials [split, m, n] summed in split order, through the bias and residual
-    (stream: the partials are read for the last time: evict them first)."""
-    m, n = out.shape
-    block = 1024
-    _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](part, bias, res, out, m * n, n, split, HAS_BIAS=has_bias,
-                                                        RESIDUAL=residual, BLOCK=block,
-                                                        PART_EVICT="evict_first" if stream else "",
-                                                        **pdl_launch(out.device))
+    (stream: the partials are read for the last time: evict them first). gated: out [m, n / 2] is
+    silu(gate) * up of the sums. norm: its out is also rms_norm(out) * its weight, from the same kernel."""
+    _, m, n = part.shape
+    evict = "evict_first" if stream else ""
+    if norm is not None:
+        block = triton.next_power_of_2(n)
+        _splitk_reduce_norm_kernel[(m,)](part, bias, res, out, norm.weight, norm.out, n, m * n, norm.eps,
+                                         HAS_BIAS=has_bias, RESIDUAL=residual, BLOCK=block, SPLITS=split,
+                                         PART_EVICT=evict, num_warps=norm_warps(block), **pdl_launch(out.device))
+        return
+    block = 512  # 4 outputs a thread: with every split's load in flight (_split_sum), 64 registers at 16 splits
+    _splitk_reduce_kernel[(triton.cdiv(out.numel(), block),)](part, bias, res, out, out.numel(), n, m * n,
+                                                              HAS_BIAS=has_bias, RESIDUAL=residual, GATED=gated,
+                                                              BLOCK=block, SPLITS=split, PART_EVICT=evict,
+                                                              **pdl_launch(out.device))
 
 
 def _gemv_x_rows(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bias: torch.Tensor,
                  out: torch.Tensor, res: torch.Tensor | None, w: LinearWeight, fmt: int, sym: bool, exact: bool,
-                 cfg: LinearConfig) -> None:
+                 cfg: LinearConfig, gated: bool = False, norm: NormAfter | None = None) -> None:
     """Launch the GEMV of several x rows (_gemv_x_rows_kernel: dense or w8, 1-8 rows; _gemv_w4_x_rows_kernel:
-    1-4), and the split-K sum after it."""
+    1-4), and the split-K sum after it (gated, norm: _sum_splits', when K is split)."""
     m, k = x.shape
-    n = out.shape[1]
+    n = w.out_features
     row = k // 2 if fmt == 2 else k  # w4: a step and a split count bytes, two weights each
     step = max(16, cfg.block_k // 2) if fmt == 2 else max(cfg.block_k, 32)
     per, split = _k_split(row, step, cfg.split)
@@ -1366,7 +1440,7 @@ def _gemv_x_rows(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, minim
             scale.stride(0) if fmt else 0, out.stride(0), resid.stride(0), FORMAT=fmt, BLOCK_K=step,
             VEC=16 // data.element_size(), SYM=sym, QUARTER_XSUM=quarter_xsum(k), **common)
     if split > 1:
-        _sum_splits(part, bias, resid, out, split, w.bias is not None, res is not None)
+        _sum_splits(part, bias, resid, out, split, w.bias is not None, res is not None, gated=gated, norm=norm)
 
 
 def linear(x: torch.Tensor, w: LinearWeight, config: LinearConfig | None = None,
@@ -1383,6 +1457,32 @@ def linear(x: torch.Tensor, w: LinearWeight, config: LinearConfig | None = None,
     fuse_input overrides the size rule for the norm and the SiLUs of a single row (benchmarks).
     Under PDL the decode GEMV loads its residual (and bias) before the wait on the kernel launched just
     before it: that kernel must not write the residual (in the model an earlier one always does)."""
+    return _linear(x, w, config, out_dtype, norm_weight, norm_eps, silu_mul, residual, silu_mul_out, fuse_input,
+                   None)[0]
+
+
+def linear_add_norm(x: torch.Tensor, w: LinearWeight, residual: torch.Tensor, norm_weight: torch.Tensor,
+                    norm_eps: float, config: LinearConfig | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """h = linear(x, w, residual=residual), the residual stream, and rms_norm(h, norm_weight, norm_eps)'s
+    output where the split-K sum makes it in the same kernel (several rows with K split, as decode batches
+    are, and a hidden size of at most SUM_FUSES_MAX_HIDDEN), else None: the next linear norms h itself (the
+    decode GEMV in its prologue)."""
+    return _linear(x, w, config, None, None, 0.0, False, residual, False, None, (norm_weight, norm_eps))
+
+
+def _split_count(cfg: LinearConfig, k: int, fmt: int) -> int:
+    """The K splits a launch of several rows of x makes (its partials then go through _sum_splits)."""
+    if cfg.kind == "gemv":
+        return _k_split(k // 2 if fmt == 2 else k, max(16, cfg.block_k // 2) if fmt == 2 else max(cfg.block_k, 32),
+                        cfg.split)[1]
+    return _k_split(k, max(cfg.block_k, 32), max(1, cfg.split))[1]
+
+
+def _linear(x: torch.Tensor, w: LinearWeight, config: LinearConfig | None, out_dtype: torch.dtype | None,
+            norm_weight: torch.Tensor | None, norm_eps: float, silu_mul: bool, residual: torch.Tensor | None,
+            silu_mul_out: bool, fuse_input: bool | None,
+            norm_after: tuple[torch.Tensor, float] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """linear, and (norm_after: its weight and eps) the norm of the result where a split-K sum makes it."""
     out_dtype = out_dtype or x.dtype
     if silu_mul_out:
         check_silu_mul_out(w, residual)
@@ -1395,7 +1495,7 @@ def linear(x: torch.Tensor, w: LinearWeight, config: LinearConfig | None = None,
         x2 = x2.contiguous()
     m = x2.shape[0]
     if m == 0:
-        return x.new_empty(*lead, n, dtype=out_dtype)
+        return x.new_empty(*lead, n // 2 if silu_mul_out else n, dtype=out_dtype), None
     cfg = config or choose_config(m, n, k, w.format, x.device)
     # RMSNorm / SiLU in the GEMV's prologue only where the GEMV is small (launch-bound): each program
     # recomputes the row's inverse RMS or the SiLU of its columns, which on an H200 costs more than
@@ -1412,17 +1512,21 @@ def linear(x: torch.Tensor, w: LinearWeight, config: LinearConfig | None = None,
         x2 = silu_and_mul(x2)
         silu_mul = False
     res2 = None if residual is None else residual.reshape(m, n)
-    if silu_mul_out and not fuse_input:
+    fmt = _FORMATS[w.format]
+    # several rows of x split over K in a model of short rows: the sum of the splits also makes silu(gate) * up
+    # (gate_up's K is the hidden size), or the norm after (o's and down's N is)
+    sums_splits = m > 1 and cfg.kind != "torch" and _split_count(cfg, k, fmt) > 1
+    gate_in_sum = silu_mul_out and sums_splits and k <= SUM_FUSES_MAX_HIDDEN
+    if silu_mul_out and not fuse_input and not gate_in_sum:
         y = linear(x2, w, cfg, out_dtype)
-        return silu_and_mul(y).reshape(*lead, n // 2)
+        return silu_and_mul(y).reshape(*lead, n // 2), None
     if cfg.kind == "torch":
         y = _torch_linear(x2, w, out_dtype)
         if res2 is not None:
             y = y + res2  # rounds once more, as the fused epilogue does
-        return y.reshape(*lead, n)
+        return y.reshape(*lead, n), None
     if res2 is not None and (not res2.is_contiguous() or res2.dtype != out_dtype):
         res2 = res2.to(out_dtype).contiguous()
-    fmt = _FORMATS[w.format]
     if fmt and k % w.group_size:
         raise ValueError(f"in_features {k} is not a multiple of group_size {w.group_size}")
     if fmt == 1 and w.group_size % 32 and w.group_size != k:
@@ -1433,6 +1537,7 @@ def linear(x: torch.Tensor, w: LinearWeight, config: LinearConfig | None = None,
     minimum = w.minimum if w.minimum is not None else scale
     bias = w.bias if w.bias is not None else data
     out = torch.empty(m, n // 2 if silu_mul_out else n, dtype=out_dtype, device=x.device)
+    normed = torch.empty_like(out) if norm_after is not None and sums_splits and n <= SUM_FUSES_MAX_HIDDEN else None
     res = res2 if res2 is not None else out
     nw = norm_weight.to(x.dtype).contiguous() if norm_weight is not None else out
     fused = dict(NORM=norm_weight is not None, SILU=silu_mul, GATED=silu_mul_out)
@@ -1444,10 +1549,11 @@ def linear(x: torch.Tensor, w: LinearWeight, config: LinearConfig | None = None,
             raise ValueError(f"a GEMV of {m} rows of x takes 1 or 2 weight rows a program, not {cfg.block_n}")
         per_launch = X_ROWS_PER_LAUNCH_W4 if fmt == 2 else X_ROWS_PER_LAUNCH
         for m0 in range(0, m, per_launch):
-            rows = min(per_launch, m - m0)
-            _gemv_x_rows(x2[m0:m0 + rows], data, scale, minimum, bias, out[m0:m0 + rows],
-                         None if res2 is None else res2[m0:m0 + rows], w, fmt, sym, exact, cfg)
-        return out.reshape(*lead, out.shape[-1])
+            rows = slice(m0, min(m0 + per_launch, m))
+            norm = None if normed is None else NormAfter(norm_after[0], norm_after[1], normed[rows])
+            _gemv_x_rows(x2[rows], data, scale, minimum, bias, out[rows], None if res2 is None else res2[rows], w,
+                         fmt, sym, exact, cfg, silu_mul_out, norm)
+        return out.reshape(*lead, out.shape[-1]), _rows_as(normed, lead)
     split = max(1, cfg.split)
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
     rows_per_program = max(cfg.block_n, 2) if silu_mul_out else cfg.block_n  # a gate row and its up row
@@ -1496,5 +1602,11 @@ def linear(x: torch.Tensor, w: LinearWeight, config: LinearConfig | None = None,
                 PART_EVICT="evict_last" if stream else "", num_warps=cfg.num_warps,
                 num_stages=cfg.num_stages, **pdl_launch(x.device))
             if split > 1:
-                _sum_splits(part, bias, res, out, split, w.bias is not None, res2 is not None, stream)
-    return out.reshape(*lead, out.shape[-1])
+                norm = None if normed is None else NormAfter(norm_after[0], norm_after[1], normed)
+                _sum_splits(part, bias, res, out, split, w.bias is not None, res2 is not None, stream,
+                            silu_mul_out, norm)
+    return out.reshape(*lead, out.shape[-1]), _rows_as(normed, lead)
+
+
+def _rows_as(t: torch.Tensor | None, lead: torch.Size) -> torch.Tensor | None:
+    return None if t is None else t.reshape(*lead, t.shape[-1])

@@ -40,6 +40,15 @@ class LlamaWeights:
         return total
 
 
+def _normed_input(residual: torch.Tensor, normed: torch.Tensor | None,
+                  norm_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A projection's input and the norm_weight kernels.linear is to norm it with: the rows the last output
+    projection normed (kernels.linear_add_norm) as they are, else the residual stream and the layer's norm."""
+    if normed is not None:
+        return normed, None
+    return residual, norm_weight
+
+
 class LlamaModel:
     """Forward over a flat batch of new tokens from many sequences (prefill chunks and decodes)."""
 
@@ -60,12 +69,16 @@ class LlamaModel:
         cfg = self.config
         eps = cfg.rms_norm_eps
         # the residual stream: each sublayer's output projection adds itself to it (the linear's
-        # epilogue) and the next projection normalizes it on the way in (its prologue)
+        # epilogue) and the next projection normalizes it on the way in (its prologue), or the output
+        # projection's split-K sum makes that norm too (normed: then the next projection takes it as is)
         residual = self.embed(input_ids)
-        for i, layer in enumerate(self.weights.layers):
+        normed = None
+        layers = self.weights.layers
+        for i, layer in enumerate(layers):
             if between_layers is not None and i:
                 between_layers()
-            qkv = kernels.linear(residual, layer.qkv, norm_weight=layer.input_norm, norm_eps=eps)
+            x, norm_weight = _normed_input(residual, normed, layer.input_norm)
+            qkv = kernels.linear(x, layer.qkv, norm_weight=norm_weight, norm_eps=eps)
             q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
             q = q.reshape(-1, cfg.num_heads, cfg.head_dim)
             k = k.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
@@ -80,10 +93,14 @@ class LlamaModel:
             else:
                 attn = kernels.attention_prefill(q, kv.k[i], kv.v[i], meta.block_tables, meta.cu_seqlens_q,
                                                  meta.context_lens, self.scale, k_scale, v_scale)
-            residual = kernels.linear(attn.reshape(-1, cfg.q_size), layer.o, residual=residual)
-            act = kernels.linear(residual, layer.gate_up, norm_weight=layer.post_norm, norm_eps=eps,
-                                 silu_mul_out=True)
-            residual = kernels.linear(act, layer.down, residual=residual)
+            residual, normed = kernels.linear_add_norm(attn.reshape(-1, cfg.q_size), layer.o, residual,
+                                                       layer.post_norm, eps)
+            x, norm_weight = _normed_input(residual, normed, layer.post_norm)
+            act = kernels.linear(x, layer.gate_up, norm_weight=norm_weight, norm_eps=eps, silu_mul_out=True)
+            next_norm = layers[i + 1].input_norm if i + 1 < len(layers) else self.weights.final_norm
+            residual, normed = kernels.linear_add_norm(act, layer.down, residual, next_norm, eps)
+        if normed is not None:
+            return normed
         out, _ = kernels.rms_norm(residual, self.weights.final_norm, eps)
         return out
 

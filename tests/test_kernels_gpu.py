@@ -170,6 +170,41 @@ def test_decode_batches_through_the_launch_rule_match_the_reference(n: int, k: i
         assert ("matmul", False, True) in kinds, kinds  # the plain form, bytes to floats by PTX (short K: 64 rows)
 
 
+@pytest.mark.parametrize("fmt", ["w8", "w8sym", "w4"])
+@pytest.mark.parametrize("hidden,inter", [(576, 1536), (2048, 8192), (4096, 14336)])
+def test_decode_batches_sum_their_splits_into_the_norm_after_and_the_gate_bit_for_bit(hidden: int, inter: int,
+                                                                                     fmt: str) -> None:
+    """SmolLM2's, the 1B's and the 8B's output projections (o, down) and gate_up at decode batches of 2-64
+    through the launch rule: linear_add_norm's h and norm, and the gated result, are what linear then rms_norm
+    or silu_and_mul give, bit for bit; the split-K sums make them in SmolLM2's short rows only."""
+    from edged.kernels import triton_activation as tact
+    from edged.kernels import triton_norm as tnorm
+
+    o = make_weight(fmt, hidden, hidden, torch.bfloat16, bias=False, seed=hidden)
+    down = make_weight(fmt, hidden, inter, torch.bfloat16, bias=False, seed=inter)
+    gate_up = make_weight(fmt, 2 * inter, hidden, torch.bfloat16, bias=False, seed=hidden + inter)
+    norm_w = (1.0 + 0.2 * torch.randn(hidden, device=DEV)).bfloat16()
+    fused = set()
+    for m in (2, 5, 16, 33, 64):
+        res = torch.randn(m, hidden, device=DEV).bfloat16()
+        for w in (o, down):
+            x = torch.randn(m, w.in_features, device=DEV).bfloat16()
+            h, normed = tlin.linear_add_norm(x, w, res, norm_w, 1e-5)
+            want = tlin.linear(x, w, residual=res)
+            assert torch.equal(h, want), (m, w.in_features)
+            if normed is not None:
+                fused.add(("norm", m))
+                assert torch.equal(normed, tnorm.rms_norm(want, norm_w, 1e-5)[0]), (m, w.in_features)
+        x = torch.randn(m, hidden, device=DEV).bfloat16()
+        cfg = tlin.choose_config(m, 2 * inter, hidden, gate_up.format, DEV)
+        if tlin._split_count(cfg, hidden, tlin._FORMATS[gate_up.format]) > 1:
+            fused.add(("split gate", m))
+        gated = tlin.linear(x, gate_up, silu_mul_out=True)
+        assert torch.equal(gated, tact.silu_and_mul(tlin.linear(x, gate_up))), m
+    assert ("split gate", 64) in fused, fused
+    assert (("norm", 64) in fused) == (hidden <= tlin.SUM_FUSES_MAX_HIDDEN), fused
+
+
 MATMUL_FORMS = [  # (swap, prefetch, block_n, block_k, split, asm_dequant): every form the sweeps consider
     (True, False, 128, 64, 3, False), (True, True, 128, 64, 1, False), (True, False, 64, 64, 2, False),
     (False, True, 64, 128, 5, False), (False, False, 64, 128, 1, False), (True, False, 128, 64, 3, True),

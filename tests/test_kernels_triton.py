@@ -40,8 +40,10 @@ if INTERPRETED:
     import triton
     import triton.language as tl
 
+    from edged.kernels import triton_activation as tact
     from edged.kernels import triton_attention as tattn
     from edged.kernels import triton_linear as tlin
+    from edged.kernels import triton_norm as tnorm
     from edged.kernels import triton_ops as ops
     from edged.kernels import triton_sampling as tsamp
     from edged.kernels.triton_convert import magic_nibbles_f32, magic_u8_f32
@@ -375,6 +377,43 @@ def test_gemv_of_several_x_rows_gives_each_rows_single_row_gemv_bit_for_bit(fmt:
     assert torch.equal(got, one_by_one)
     want = reference.linear(x, w, residual=res)
     assert (got.float() - want.float()).abs().max().item() <= 8e-3 * want.float().abs().max().item()
+
+
+@pytest.mark.parametrize("fmt", ["dense", "w8", "w8sym", "w4"])
+@pytest.mark.parametrize("cfg", [("matmul", 16, 32, 32, 2), ("matmul", 16, 32, 32, 3, True), ("gemv", 1, 2, 32, 2)])
+def test_the_split_k_sum_of_several_rows_makes_the_norm_after_and_the_gate_bit_for_bit(fmt: str, cfg) -> None:
+    """Several rows of x split over K (the batched matmul, plain or swap form, and the GEMV of several x
+    rows, 11 rows: 8 + 3 a launch): linear_add_norm's sum also writes the norm of the residual stream it
+    makes, and a [gate | up] weight's sum writes silu(gate) * up, each what linear then rms_norm or
+    silu_and_mul write, bit for bit, with a bias, over a ragged N (13 columns and 7 gated outputs)."""
+    torch.manual_seed(len(fmt) + cfg[4])
+    m, k = 11, 128
+    config = tlin.LinearConfig(*cfg[:4], split=cfg[4], swap=cfg[5:6] == (True,))
+    x = torch.randn(m, k).to(torch.float16)
+    w = _weight(fmt, 13, k, torch.float16, bias=True)
+    res = (4 * torch.randn(m, 13)).to(torch.float16)
+    norm_w = (1.0 + 0.3 * torch.randn(13)).to(torch.float16)
+    h, normed = tlin.linear_add_norm(x, w, res, norm_w, 1e-5, config)
+    want_h = tlin.linear(x, w, config, residual=res)
+    assert torch.equal(h, want_h)
+    assert normed is not None and torch.equal(normed, tnorm.rms_norm(want_h, norm_w, 1e-5)[0])
+    gate_up = _weight(fmt, 14, k, torch.float16, bias=True)
+    gated = tlin.linear(x, gate_up, config, silu_mul_out=True)
+    assert torch.equal(gated, tact.silu_and_mul(tlin.linear(x, gate_up, config)))
+    want = reference.linear(x, gate_up, silu_mul_out=True)
+    assert (gated.float() - want.float()).abs().max().item() <= 8e-3 * want.float().abs().max().item()
+
+
+@pytest.mark.parametrize("rows,split", [(1, 2), (6, 1)])
+def test_linear_add_norm_leaves_the_norm_to_the_next_linear_where_no_split_sum_runs(rows: int, split: int) -> None:
+    """One row (the decode GEMV norms its input in its prologue) or an unsplit K: no norm, the same h."""
+    x = torch.randn(rows, 64).to(torch.float16)
+    w = _weight("w8", 12, 64, torch.float16, bias=False)
+    res = torch.randn(rows, 12).to(torch.float16)
+    kind = ("gemv", 1, 4, 32) if rows == 1 else ("matmul", 16, 32, 32)
+    config = tlin.LinearConfig(*kind, split=split)
+    h, normed = tlin.linear_add_norm(x, w, res, torch.ones(12, dtype=torch.float16), 1e-5, config)
+    assert normed is None and torch.equal(h, tlin.linear(x, w, config, residual=res))
 
 
 @pytest.mark.parametrize("fmt", ["w8", "w4"])
