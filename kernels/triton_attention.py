@@ -30,13 +30,31 @@ def _kv_offsets(bt_row_ptr, t, tmask, block_size, stride_n, stride_s):
 
 
 @triton.jit
-def _load_tile(k_ptr, v_ptr, bt_row, t, tmask, d, dmask, block_size, kvh, ks_ptr, vs_ptr, k_group, v_group,
+def _scaled(q, s_ptr, s_off, tmask, d, dmask, head_dim, group, stride_g, CH: tl.constexpr, BLOCK_D: tl.constexpr):
+    """An int8 tile q [T, BLOCK_D] in float32, channel d times scale d // group of its token (s_off: the
+    tokens' scale offsets). CH: the same group as a power of two dividing BLOCK_D, so that a token's scales load
+    once a group and broadcast over its channels; 0: a scale load a channel (any group)."""
+    if CH > 0:
+        g = tl.arange(0, BLOCK_D // CH)
+        gs = tl.load(s_ptr + s_off[:, None] + g[None, :] * stride_g, mask=tmask[:, None] & (g * CH < head_dim)[None, :],
+                     other=0.0)
+        f = tl.reshape(i8_to_f32(q), (q.shape[0], BLOCK_D // CH, CH)) * gs[:, :, None]
+        return tl.reshape(f, (q.shape[0], BLOCK_D))
+    else:
+        scale = tl.load(s_ptr + s_off[:, None] + (d // group)[None, :] * stride_g, mask=tmask[:, None] & dmask[None, :],
+                        other=0.0)
+        return i8_to_f32(q) * scale
+
+
+@triton.jit
+def _load_tile(k_ptr, v_ptr, bt_row, t, tmask, d, dmask, block_size, kvh, ks_ptr, vs_ptr, head_dim, k_group, v_group,
                stride_kn, stride_ks, stride_kh, stride_vn, stride_vs, stride_vh,
                stride_ksn, stride_kss, stride_ksh, stride_ksg, stride_vsn, stride_vss, stride_vsh, stride_vsg,
-               dtype: tl.constexpr, INT8: tl.constexpr):
+               dtype: tl.constexpr, INT8: tl.constexpr, K_CH: tl.constexpr, V_CH: tl.constexpr,
+               BLOCK_D: tl.constexpr):
     """The K/V tile of cached tokens t for one kv head, in dtype (masked tokens: 0).
     int8: channel d of a token's key takes scale d // k_group of its (token, kv head), of its value
-    scale d // v_group."""
+    scale d // v_group (K_CH, V_CH: _scaled's CH)."""
     k_off = _kv_offsets(bt_row, t, tmask, block_size, stride_kn, stride_ks) + kvh * stride_kh
     v_off = _kv_offsets(bt_row, t, tmask, block_size, stride_vn, stride_vs) + kvh * stride_vh
     kv_mask = tmask[:, None] & dmask[None, :]
@@ -45,23 +63,21 @@ def _load_tile(k_ptr, v_ptr, bt_row, t, tmask, d, dmask, block_size, kvh, ks_ptr
     if INT8:
         ks_off = _kv_offsets(bt_row, t, tmask, block_size, stride_ksn, stride_kss) + kvh * stride_ksh
         vs_off = _kv_offsets(bt_row, t, tmask, block_size, stride_vsn, stride_vss) + kvh * stride_vsh
-        ks = tl.load(ks_ptr + ks_off[:, None] + (d // k_group)[None, :] * stride_ksg, mask=kv_mask, other=0.0)
-        vs = tl.load(vs_ptr + vs_off[:, None] + (d // v_group)[None, :] * stride_vsg, mask=kv_mask, other=0.0)
-        k = i8_to_f32(k) * ks
-        v = i8_to_f32(v) * vs
+        k = _scaled(k, ks_ptr, ks_off, tmask, d, dmask, head_dim, k_group, stride_ksg, K_CH, BLOCK_D)
+        v = _scaled(v, vs_ptr, vs_off, tmask, d, dmask, head_dim, v_group, stride_vsg, V_CH, BLOCK_D)
     return k.to(dtype), v.to(dtype)
 
 
 @triton.jit
-def _tile_scores(q, k_ptr, v_ptr, bt_row, t, tmask, d, dmask, block_size, kvh, ks_ptr, vs_ptr, k_group, v_group,
-                 stride_kn, stride_ks, stride_kh, stride_vn, stride_vs, stride_vh,
+def _tile_scores(q, k_ptr, v_ptr, bt_row, t, tmask, d, dmask, block_size, kvh, ks_ptr, vs_ptr, head_dim, k_group,
+                 v_group, stride_kn, stride_ks, stride_kh, stride_vn, stride_vs, stride_vh,
                  stride_ksn, stride_kss, stride_ksh, stride_ksg, stride_vsn, stride_vss, stride_vsh, stride_vsg,
-                 INT8: tl.constexpr):
+                 INT8: tl.constexpr, K_CH: tl.constexpr, V_CH: tl.constexpr, BLOCK_D: tl.constexpr):
     """Load the K/V tile of cached tokens t for one kv head; return (q.K^T, V as a dot operand)."""
-    k, v = _load_tile(k_ptr, v_ptr, bt_row, t, tmask, d, dmask, block_size, kvh, ks_ptr, vs_ptr, k_group, v_group,
-                      stride_kn, stride_ks, stride_kh, stride_vn, stride_vs, stride_vh,
+    k, v = _load_tile(k_ptr, v_ptr, bt_row, t, tmask, d, dmask, block_size, kvh, ks_ptr, vs_ptr, head_dim, k_group,
+                      v_group, stride_kn, stride_ks, stride_kh, stride_vn, stride_vs, stride_vh,
                       stride_ksn, stride_kss, stride_ksh, stride_ksg, stride_vsn, stride_vss, stride_vsh, stride_vsg,
-                      q.dtype, INT8)
+                      q.dtype, INT8, K_CH, V_CH, BLOCK_D)
     return tl.dot(q, tl.trans(k)), v
 
 
@@ -84,7 +100,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, out_pt
                    stride_ksn, stride_kss, stride_ksh, stride_ksg, stride_vsn, stride_vss, stride_vsh, stride_vsg,
                    stride_bt, stride_ob, stride_oh,
                    INT8: tl.constexpr, SPLIT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-                   BLOCK_T: tl.constexpr, PDL: tl.constexpr):
+                   BLOCK_T: tl.constexpr, PDL: tl.constexpr, K_CH: tl.constexpr, V_CH: tl.constexpr):
     """Program (sequence, kv head, split): all q heads of the kv head over one slice of the context.
     The slice's first tile loads before the wait on the previous kernel (PDL), but for the newest token,
     which that kernel (rope_write_kv) writes: the program whose first tile holds it loads the tile again
@@ -107,15 +123,15 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, out_pt
     t = lo + tl.arange(0, BLOCK_T)
     tmask = t < hi
     k, v = _load_tile(k_ptr, v_ptr, bt_row, t, tmask & (t < ctx - 1), d, dmask, block_size, kvh, ks_ptr, vs_ptr,
-                      k_group, v_group, stride_kn, stride_ks, stride_kh, stride_vn, stride_vs, stride_vh,
+                      head_dim, k_group, v_group, stride_kn, stride_ks, stride_kh, stride_vn, stride_vs, stride_vh,
                       stride_ksn, stride_kss, stride_ksh, stride_ksg, stride_vsn, stride_vss, stride_vsh, stride_vsg,
-                      dt, INT8)
+                      dt, INT8, K_CH, V_CH, BLOCK_D)
     pdl_begin(PDL)
     if lo + BLOCK_T >= ctx:
-        k, v = _load_tile(k_ptr, v_ptr, bt_row, t, tmask, d, dmask, block_size, kvh, ks_ptr, vs_ptr, k_group,
-                          v_group, stride_kn, stride_ks, stride_kh, stride_vn, stride_vs, stride_vh,
+        k, v = _load_tile(k_ptr, v_ptr, bt_row, t, tmask, d, dmask, block_size, kvh, ks_ptr, vs_ptr, head_dim,
+                          k_group, v_group, stride_kn, stride_ks, stride_kh, stride_vn, stride_vs, stride_vh,
                           stride_ksn, stride_kss, stride_ksh, stride_ksg, stride_vsn, stride_vss, stride_vsh,
-                          stride_vsg, dt, INT8)
+                          stride_vsg, dt, INT8, K_CH, V_CH, BLOCK_D)
     q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + d[None, :],
                 mask=gmask[:, None] & dmask[None, :], other=0.0)
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
@@ -128,9 +144,9 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, out_pt
         t = t0 + tl.arange(0, BLOCK_T)
         tmask = t < hi
         s, v = _tile_scores(q, k_ptr, v_ptr, bt_row, t, tmask, d, dmask, block_size, kvh, ks_ptr, vs_ptr,
-                            k_group, v_group, stride_kn, stride_ks, stride_kh, stride_vn, stride_vs, stride_vh,
-                            stride_ksn, stride_kss, stride_ksh, stride_ksg, stride_vsn, stride_vss, stride_vsh,
-                            stride_vsg, INT8)
+                            head_dim, k_group, v_group, stride_kn, stride_ks, stride_kh, stride_vn, stride_vs,
+                            stride_vh, stride_ksn, stride_kss, stride_ksh, stride_ksg, stride_vsn, stride_vss,
+                            stride_vsh, stride_vsg, INT8, K_CH, V_CH, BLOCK_D)
         s = tl.where(tmask[None, :], s * qk_scale, float("-inf"))
         m_i, l_i, acc = _softmax_step(q, s, v, m_i, l_i, acc)
     o_mask = gmask[:, None] & dmask[None, :]
@@ -176,7 +192,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, cu_ptr, lens_pt
                     stride_ksn, stride_kss, stride_ksh, stride_ksg, stride_vsn, stride_vss, stride_vsh, stride_vsg,
                     stride_bt, stride_ot, stride_oh,
                     INT8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                    PDL: tl.constexpr):
+                    PDL: tl.constexpr, K_CH: tl.constexpr, V_CH: tl.constexpr):
     """Program (query tile, q head). Query tiles are numbered over all sequences in order; the grid
     has an upper bound of them (no host sync on cu_seqlens), surplus programs exit."""
     pdl_begin(PDL)
@@ -214,9 +230,9 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, cu_ptr, lens_pt
             t = t0 + tl.arange(0, BLOCK_N)
             tmask = t < end
             s, v = _tile_scores(q, k_ptr, v_ptr, bt_row, t, tmask, d, dmask, block_size, kvh, ks_ptr, vs_ptr,
-                                k_group, v_group, stride_kn, stride_ks, stride_kh, stride_vn, stride_vs, stride_vh,
-                                stride_ksn, stride_kss, stride_ksh, stride_ksg, stride_vsn, stride_vss, stride_vsh,
-                                stride_vsg, INT8)
+                                head_dim, k_group, v_group, stride_kn, stride_ks, stride_kh, stride_vn, stride_vs,
+                                stride_vh, stride_ksn, stride_kss, stride_ksh, stride_ksg, stride_vsn, stride_vss,
+                                stride_vsh, stride_vsg, INT8, K_CH, V_CH, BLOCK_D)
             # key 0 is visible to every row (padding rows included), so m_i is finite after step one
             visible = (t[None, :] <= pos[:, None]) & tmask[None, :]
             s = tl.where(visible, s * qk_scale, float("-inf"))
@@ -232,6 +248,11 @@ def _scale_layout(k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, he
     if k_scale is None:
         return (head_dim, head_dim) + (0,) * 8
     return (head_dim // k_scale.shape[-1], head_dim // v_scale.shape[-1], *k_scale.stride(), *v_scale.stride())
+
+
+def _scale_channels(group: int, block_d: int) -> int:
+    """_scaled's CH for `group` channels a scale: the group where it is a power of two dividing block_d, else 0."""
+    return group if group & (group - 1) == 0 and block_d % group == 0 else 0
 
 
 @lru_cache(maxsize=None)
@@ -300,7 +321,7 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], *ss,
         block_tables.stride(0), out.stride(0), out.stride(1),
         INT8=k_scale is not None, SPLIT=split, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
-        BLOCK_T=block_t, num_warps=num_warps, num_stages=num_stages or (2 if on_gpu else 1), **pdl_launch(q.device))
+        BLOCK_T=block_t, K_CH=_scale_channels(k_group, block_d), V_CH=_scale_channels(v_group, block_d), num_warps=num_warps, num_stages=num_stages or (2 if on_gpu else 1), **pdl_launch(q.device))
     if split:
         _decode_reduce_kernel[(batch, n_heads)](
             po, plse, out, n_heads, num_splits, head_dim, out.stride(0), out.stride(1),
@@ -336,5 +357,6 @@ def attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], *ss,
         block_tables.stride(0), out.stride(0), out.stride(1),
         INT8=k_scale is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        K_CH=_scale_channels(k_group, block_d), V_CH=_scale_channels(v_group, block_d),
         num_warps=4 if block_m <= 64 else 8, num_stages=2 if on_gpu else 1, **pdl_launch(q.device))
     return out

@@ -600,6 +600,26 @@ def test_attention_decode(dtype: torch.dtype, int8: bool, hq: int, hkv: int) -> 
         torch.testing.assert_close(got, want, **TOL[dtype])
 
 
+@pytest.mark.parametrize("d", [96, 48])
+def test_int8_attention_reads_scale_groups_that_leave_the_padded_head_or_are_not_powers_of_two(d: int) -> None:
+    """96 channels: three 32-channel key groups in a 128-wide tile (the fourth masked) and a 96-channel value
+    scale, read a channel at a time; 48: one scale a head for both (48 % 32 != 0). Decode and prefill."""
+    torch.manual_seed(5)
+    hq, hkv = 4, 2
+    ctx = [1, 19, 40]
+    kc, vc, ks, vs, tables = _paged(ctx, hkv, d, 8, torch.float32, True, seed=6)
+    lens = torch.tensor(ctx, dtype=torch.int32)
+    q = torch.randn(len(ctx), hq, d)
+    want = reference.attention_decode(q, kc, vc, tables, lens, d ** -0.5, ks, vs)
+    torch.testing.assert_close(tattn.attention_decode(q, kc, vc, tables, lens, d ** -0.5, ks, vs), want,
+                               **TOL[torch.float32])
+    cu = torch.tensor([0, 1, 3, 5], dtype=torch.int32)
+    qp = torch.randn(5, hq, d)
+    torch.testing.assert_close(tattn.attention_prefill(qp, kc, vc, tables, cu, lens, d ** -0.5, ks, vs),
+                               reference.attention_prefill(qp, kc, vc, tables, cu, lens, d ** -0.5, ks, vs),
+                               **TOL[torch.float32])
+
+
 def test_attention_decode_default_splits_and_strided_q() -> None:
     torch.manual_seed(1)
     hq, hkv, d = 4, 1, 64
