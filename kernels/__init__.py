@@ -91,7 +91,8 @@ def linear_add_norm(x: torch.Tensor, w: LinearWeight, residual: torch.Tensor, no
                     norm_eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
     """An output projection and the norm after it: h = linear(x, w, residual=residual), the residual stream,
     and rms_norm(h, norm_weight, norm_eps)'s output, or None where the implementation leaves that norm to
-    the next linear's norm_weight (the same numbers; the GPU makes it in the split-K sum of several rows)."""
+    the next linear's norm_weight (the same numbers; the GPU makes it in the split-K sum of several rows, in
+    models of short rows)."""
     return backend_for(x).linear_add_norm(x, w, residual, norm_weight, norm_eps)
 
 
