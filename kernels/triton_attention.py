@@ -321,7 +321,8 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], *ss,
         block_tables.stride(0), out.stride(0), out.stride(1),
         INT8=k_scale is not None, SPLIT=split, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
-        BLOCK_T=block_t, K_CH=_scale_channels(k_group, block_d), V_CH=_scale_channels(v_group, block_d), num_warps=num_warps, num_stages=num_stages or (2 if on_gpu else 1), **pdl_launch(q.device))
+        BLOCK_T=block_t, K_CH=_scale_channels(k_group, block_d), V_CH=_scale_channels(v_group, block_d),
+        num_warps=num_warps, num_stages=num_stages or (2 if on_gpu else 1), **pdl_launch(q.device))
     if split:
         _decode_reduce_kernel[(batch, n_heads)](
             po, plse, out, n_heads, num_splits, head_dim, out.stride(0), out.stride(1),

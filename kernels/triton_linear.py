@@ -44,7 +44,7 @@ from .triton_convert import (asm_conversions, magic_nibbles_f32, magic_nibbles_f
                              magic_u8_f32_asm, small_uint_to_f32)
 from .triton_activation import silu_and_mul
 from .triton_counters import arrive, check_groups, split_counters
-from .triton_norm import norm_warps, rms_norm
+from .triton_norm import norm_warps, rms_norm, rms_row
 from .reference import check_silu_mul_out
 from .triton_pdl import pdl_begin, pdl_launch
 from .weights import LinearWeight
@@ -85,12 +85,18 @@ def _epilogue_inputs(n_ld, mask, bias_ptr, res_ptrs, HAS_BIAS: tl.constexpr, RES
 @triton.jit
 def _epilogue_store(y, mask, out_ptrs, bias, res, HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr):
     """_epilogue on values loaded beforehand (the decode GEMV loads them before its PDL wait)."""
+    tl.store(out_ptrs, _epilogue_value(y, bias, res, out_ptrs.dtype.element_ty, HAS_BIAS, RESIDUAL), mask=mask)
+
+
+@triton.jit
+def _epilogue_value(y, bias, res, dtype: tl.constexpr, HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr):
+    """What _epilogue_store stores: y + bias rounded to dtype, then + res rounded again."""
     if HAS_BIAS:
         y += bias
-    yo = y.to(out_ptrs.dtype.element_ty)
+    yo = y.to(dtype)
     if RESIDUAL:
-        yo = (yo.to(tl.float32) + res).to(yo.dtype)
-    tl.store(out_ptrs, yo, mask=mask)
+        yo = (yo.to(tl.float32) + res).to(dtype)
+    return yo
 
 
 @triton.jit
@@ -1144,15 +1150,10 @@ def _splitk_reduce_norm_kernel(part_ptr, bias_ptr, res_ptr, out_ptr, nw_ptr, nor
     at = row * N + cols
     acc = _split_sum(part_ptr + at, part_stride, mask, SPLITS, PART_EVICT)
     bias, res = _epilogue_inputs(tl.minimum(cols, N - 1), mask, bias_ptr, res_ptr + at, HAS_BIAS, RESIDUAL)
-    if HAS_BIAS:
-        acc += bias
-    h = acc.to(out_ptr.dtype.element_ty)
-    if RESIDUAL:
-        h = (h.to(tl.float32) + res).to(h.dtype)
+    h = _epilogue_value(acc, bias, res, out_ptr.dtype.element_ty, HAS_BIAS, RESIDUAL)
     tl.store(out_ptr + at, h, mask=mask)
-    hf = tl.where(mask, h.to(tl.float32), 0.0)
-    inv = tl.rsqrt(tl.sum(hf * hf, axis=0) / N + eps)
-    tl.store(normed_ptr + at, (w * (hf * inv)).to(normed_ptr.dtype.element_ty), mask=mask)
+    normed = rms_row(tl.where(mask, h.to(tl.float32), 0.0), w, N, eps)
+    tl.store(normed_ptr + at, normed.to(normed_ptr.dtype.element_ty), mask=mask)
 
 
 _X_KINDS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}

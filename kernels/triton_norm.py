@@ -22,10 +22,16 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, h_ptr, n_cols, stride_x, st
         # the add rounds to the activation dtype, as the reference's x + residual does
         h = h + tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
         tl.store(h_ptr + row * stride_h + cols, h, mask=mask)
-    hf = h.to(tl.float32)
-    inv = tl.rsqrt(tl.sum(hf * hf, axis=0) / n_cols + eps)
     # float32 to the end, rounded once (kernels/__init__.py's numerics policy)
-    tl.store(out_ptr + row * stride_o + cols, (w * (hf * inv)).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + row * stride_o + cols, rms_row(h.to(tl.float32), w, n_cols, eps).to(out_ptr.dtype.element_ty),
+             mask=mask)
+
+
+@triton.jit
+def rms_row(hf, w, n_cols, eps):
+    """RMSNorm(hf) * w of one row in float32 (hf: 0 past its n_cols columns)."""
+    inv = tl.rsqrt(tl.sum(hf * hf, axis=0) / n_cols + eps)
+    return w * (hf * inv)
 
 
 def norm_warps(block: int) -> int:

@@ -12,5 +12,5 @@ from .triton_norm import rms_norm
 from .triton_rope import rope
 from .triton_sampling import argmax, sample
 
-__all__ = ["linear", "linear_add_norm", "rms_norm", "rope", "silu_and_mul", "write_kv", "rope_write_kv", "attention_decode",
-           "attention_prefill", "argmax", "sample"]
+__all__ = ["linear", "linear_add_norm", "rms_norm", "rope", "silu_and_mul", "write_kv", "rope_write_kv",
+           "attention_decode", "attention_prefill", "argmax", "sample"]
