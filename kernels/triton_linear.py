@@ -1207,6 +1207,13 @@ def _pick_split(tiles: int, k_steps: int, target: int, min_steps: int) -> int:
     return max(1, min(want, k_steps // min_steps, 16))
 
 
+def _one_wave_split(tiles: int, k_steps: int, slots: int, min_steps: int) -> int:
+    """Split K so that the programs fill one wave of `slots` (floor: no second, partial wave); where even one
+    program a tile fills more than half a wave, about two waves of shorter programs instead."""
+    want = slots // tiles if 2 * tiles <= slots else -(-2 * slots // tiles)
+    return max(1, min(want, k_steps // min_steps, 16))
+
+
 def choose_config(m: int, n: int, k: int, fmt: str, device: torch.device,
                   sm_count: int | None = None) -> LinearConfig:
     """Shape heuristics (no autotuning: it must also run under the CPU interpreter). GPU numbers come
@@ -1295,13 +1302,18 @@ def choose_config(m: int, n: int, k: int, fmt: str, device: torch.device,
             # against 27,223 / 34,246 for the swap form below; the 1B's and 8B's longer rows keep the swap form)
             return LinearConfig("matmul", 64, 64, 64, _pick_split(-(-n // 64), -(-k // 64), 2 * sms, 4),
                                 num_warps=4, num_stages=3, asm_dequant=True)
-        if fmt == "w8" and block_m == 64:
-            # H200 sweep over the 1B / 8B decode linears at M = 64 (docs/BENCHMARKS.md, session 16):
-            # the weight tile as the dot's first operand, 128 x 64 tiles, 2 programs an SM, 0.73x the
-            # time of the rule below summed over the shapes
-            tiles = -(-n // 128)
-            return LinearConfig("matmul", 64, 128, 64, _pick_split(tiles, -(-k // 64), 2 * sms, 4), num_warps=4,
-                                num_stages=3, swap=True)
+        if block_m == 64:
+            # w8 (H200 sweep over the 1B / 8B decode linears at M = 64, docs/BENCHMARKS.md, session 16): the
+            # weight tile as the dot's first operand, 128 x 64 tiles, 0.73x the time of w4's form summed over
+            # the shapes. Rows of K >= 4096 (the 8B): w8's programs fit 3 an SM (sm_90: 150 registers, 41.5 KB
+            # shared), so splits fill one wave of them, >= 8 K steps each. H200, session 32: every split swept,
+            # the 8B's matmuls summed over a step at M = 64, w8 6.90 -> 6.13 ms (the best split per linear:
+            # 6.13), w4 9.42 -> 8.37 (8.09); decode graph, batch 64, tok/s: w8 7,437 -> 8,035, w4 5,718 -> 6,306.
+            # Shorter rows keep 2 programs an SM (SmolLM2 w4's lm_head lost 1% with one wave of 3)
+            tiles, k_steps = -(-n // 128), -(-k // 64)
+            split = (_one_wave_split(tiles, k_steps, 3 * sms, 8) if k >= 4096 else
+                     _pick_split(tiles, k_steps, 2 * sms, 4))
+            return LinearConfig("matmul", 64, 128, 64, split, num_warps=4, num_stages=3, swap=fmt == "w8")
         if block_m == 16 and short:
             # w4's swap form, SmolLM2 at 9-16 rows (session 24 sweep, batch 16: 12,115 tok/s against 10,653)
             return LinearConfig("matmul", 16, 64, 64, _pick_split(-(-n // 64), -(-k // 64), 2 * sms, 4),

@@ -107,3 +107,22 @@ def test_decode_attention_tiles_hold_about_4096_elements_within_a_split_and_32_t
         context = blocks * 16
         splits = tattn.decode_splits(batch * kv, context, 32, CUDA)
         assert 16 <= tile(batch, kv, d, blocks=blocks) <= max(16, -(-context // splits)), (batch, kv, d, blocks)
+
+
+@pytest.mark.parametrize("fmt", ["w8", "w4"])
+def test_decode_batches_of_33_to_64_split_rows_of_4096_or_more_columns_into_one_wave_of_3_programs_an_sm(
+        fmt: str) -> None:
+    """The 8B's linears at 33-64 rows (128-row tiles): K splits that fill one wave of 3 programs an SM (396),
+    >= 8 K steps each, about two waves where the tiles alone fill more than half of one (gate_up), and one split
+    where they fill more than a wave (lm_head); the session 32 sweep's best split for each but o (s8 against s9,
+    equal times). Shorter rows (the 1B's, SmolLM2's) keep splits for 2 programs an SM."""
+    for m in (33, 64):
+        splits = {name: _config(m, n, k, fmt).split for name, (n, k) in
+                  {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
+                   "head": (128256, 4096)}.items()}
+        assert splits == {"qkv": 8, "o": 8, "gate_up": 4, "down": 12, "head": 1}, (m, splits)
+        shorter = {name: _config(m, n, k, fmt).split for name, (n, k) in
+                   {"1b qkv": (3072, 2048), "1b gate_up": (16384, 2048), "1b head": (128256, 2048),
+                    "smollm2 head": (49152, 576)}.items()}
+        assert shorter == {"1b qkv": 8, "1b gate_up": 3, "1b head": 1, "smollm2 head": 1}, (m, shorter)
+    assert _config(32, 4096, 14336, fmt).block_m == 32  # 32 rows: tiles of their own, not this rule
