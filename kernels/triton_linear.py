@@ -1318,10 +1318,13 @@ def choose_config(m: int, n: int, k: int, fmt: str, device: torch.device,
             # w4's swap form, SmolLM2 at 9-16 rows (session 24 sweep, batch 16: 12,115 tok/s against 10,653)
             return LinearConfig("matmul", 16, 64, 64, _pick_split(-(-n // 64), -(-k // 64), 2 * sms, 4),
                                 num_warps=4, num_stages=3, swap=True)
-        block_n, block_k = 128, (128 if block_m == 16 else 64)  # w4
-        tiles = -(-m // block_m) * -(-n // block_n)
-        return LinearConfig("matmul", block_m, block_n, block_k, _pick_split(tiles, -(-k // block_k), 2 * sms, 4),
-                            num_warps=4, num_stages=3)
+        # w4. At 17-32 rows over K >= 4096 (the 8B), splits for one wave of 3 programs an SM as at 33-64 rows:
+        # H200 decode graph (session 32), 8B w4 batch 32: 3,614 -> 4,103 tok/s
+        block_n, block_k = 128, (128 if block_m == 16 else 64)
+        tiles, k_steps = -(-m // block_m) * -(-n // block_n), -(-k // block_k)
+        split = (_one_wave_split(tiles, k_steps, 3 * sms, 8) if block_m == 32 and k >= 4096 else
+                 _pick_split(tiles, k_steps, 2 * sms, 4))
+        return LinearConfig("matmul", block_m, block_n, block_k, split, num_warps=4, num_stages=3)
     # prompt steps: split K too. Without it SmolLM2's 128-token step had 10-48 programs a linear for 132
     # SMs; H200, a prompt-step graph of 128 / 256 tokens (docs/BENCHMARKS.md, session 17): SmolLM2 w8
     # 2.92 / 3.62 -> 1.52 / 1.92 ms, 1B w8 7.20 / 7.57 -> 2.83 / 3.83 ms, 1B w4 6.77 / 8.76 -> 3.20 / 4.89 ms

@@ -110,12 +110,12 @@ def test_decode_attention_tiles_hold_about_4096_elements_within_a_split_and_32_t
 
 
 @pytest.mark.parametrize("fmt", ["w8", "w4"])
-def test_decode_batches_of_33_to_64_split_rows_of_4096_or_more_columns_into_one_wave_of_3_programs_an_sm(
+def test_decode_batches_over_rows_of_4096_or_more_columns_split_k_into_one_wave_of_3_programs_an_sm(
         fmt: str) -> None:
     """The 8B's linears at 33-64 rows (128-row tiles): K splits that fill one wave of 3 programs an SM (396),
     >= 8 K steps each, about two waves where the tiles alone fill more than half of one (gate_up), and one split
     where they fill more than a wave (lm_head); the session 32 sweep's best split for each but o (s8 against s9,
-    equal times). Shorter rows (the 1B's, SmolLM2's) keep splits for 2 programs an SM."""
+    equal times). Shorter rows (the 1B's, SmolLM2's) keep splits for 2 programs an SM. w4 at 17-32 rows too."""
     for m in (33, 64):
         splits = {name: _config(m, n, k, fmt).split for name, (n, k) in
                   {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
@@ -125,4 +125,9 @@ def test_decode_batches_of_33_to_64_split_rows_of_4096_or_more_columns_into_one_
                    {"1b qkv": (3072, 2048), "1b gate_up": (16384, 2048), "1b head": (128256, 2048),
                     "smollm2 head": (49152, 576)}.items()}
         assert shorter == {"1b qkv": 8, "1b gate_up": 3, "1b head": 1, "smollm2 head": 1}, (m, shorter)
-    assert _config(32, 4096, 14336, fmt).block_m == 32  # 32 rows: tiles of their own, not this rule
+    # 17-32 rows: w4 splits so too (its tiles are 32 x 128 x 64); w8's swap tiles keep 4 programs an SM
+    thirty_two = {name: _config(32, n, k, fmt).split for name, (n, k) in
+                  {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}.items()}
+    want = {"qkv": 8, "o": 8, "gate_up": 4, "down": 12} if fmt == "w4" else {"qkv": 11, "o": 16, "gate_up": 3,
+                                                                             "down": 16}
+    assert thirty_two == want, thirty_two
