@@ -113,6 +113,9 @@ def build_parser(bench_arguments: bool = True) -> argparse.ArgumentParser:
     kern.add_argument("--w4-tensor-cores", action="store_true", help="only time the tensor-core w4 decode GEMV "
                       "(kernels/triton_w4_dot.py, which linear does not launch) against linear's w4 and w8 GEMVs at "
                       "the SmolLM2, Llama-3.2-1B and Llama-3-8B decode shapes")
+    kern.add_argument("--split-sweep", action="store_true", help="only time the batched decode matmul's launch "
+                      "at every K split 1-16 (M = 32 and 64, w8 and w4, each Llama-3.2-1B and Llama-3-8B linear) "
+                      "against the built-in split, with the step sums")
     kern.add_argument("--sweep", action="store_true", help="also time every decode GEMV launch configuration (rows a program, columns a step, warps, K splits) at each decode shape of SmolLM2, Llama-3.2-1B and Llama-3-8B against the built-in choice")
     sass = bench_sub.add_parser("sass", help="the decode GEMV's inner loop compiled for sm_90 here (no GPU needed): "
                                              "instructions per weight, shared-memory and shuffle traffic, registers, "

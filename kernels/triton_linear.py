@@ -1306,9 +1306,10 @@ def choose_config(m: int, n: int, k: int, fmt: str, device: torch.device,
             # w8 (H200 sweep over the 1B / 8B decode linears at M = 64, docs/BENCHMARKS.md, session 16): the
             # weight tile as the dot's first operand, 128 x 64 tiles, 0.73x the time of w4's form summed over
             # the shapes. Rows of K >= 4096 (the 8B): w8's programs fit 3 an SM (sm_90: 150 registers, 41.5 KB
-            # shared), so splits fill one wave of them, >= 8 K steps each. H200, session 32: every split swept,
-            # the 8B's matmuls summed over a step at M = 64, w8 6.90 -> 6.13 ms (the best split per linear:
-            # 6.13), w4 9.42 -> 8.37 (8.09); decode graph, batch 64, tok/s: w8 7,437 -> 8,035, w4 5,718 -> 6,306.
+            # shared), so splits fill one wave of them, >= 8 K steps each. H200, session 32, every split swept
+            # (as `edged bench kernels --split-sweep` does), the 8B's matmuls summed over a step at M = 64: w8
+            # 6.90 -> 6.13 ms (the best split per linear: 6.13), w4 9.42 -> 8.37 (8.09); decode graph, batch
+            # 64, tok/s: w8 7,437 -> 8,035, w4 5,718 -> 6,306.
             # Shorter rows keep 2 programs an SM (SmolLM2 w4's lm_head lost 1% with one wave of 3)
             tiles, k_steps = -(-n // 128), -(-k // 64)
             split = (_one_wave_split(tiles, k_steps, 3 * sms, 8) if k >= 4096 else

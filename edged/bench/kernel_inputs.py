@@ -1,12 +1,24 @@
-"""Random kernel inputs at real shapes on the GPU: quantized weights and a paged KV cache."""
+"""Kernel inputs at real shapes: the decode linears of the benchmark models, and random quantized weights and a
+paged KV cache on the GPU."""
 from __future__ import annotations
 
 import torch
 
 from edged.kernels import reference
 from edged.kernels.weights import LinearWeight, quantize_w4, quantize_w8
+from edged.models.config import MODEL_SHAPES
 
 DEV = torch.device("cuda")
+
+
+def model_linears(model: str) -> dict[str, tuple[int, int, int]]:
+    """(N, K, calls a decode step) of a MODEL_SHAPES model's linears: fused qkv, o, fused gate_up, down (a call a
+    layer each) and the lm_head (one)."""
+    c = MODEL_SHAPES[model]
+    h, layers = c.hidden_size, c.num_layers
+    return {"qkv": (c.q_size + 2 * c.kv_size, h, layers), "o": (h, c.q_size, layers),
+            "gate_up": (2 * c.intermediate_size, h, layers), "down": (h, c.intermediate_size, layers),
+            "head": (c.vocab_size, h, 1)}
 
 
 def make_weight(fmt: str, n: int, k: int, dtype: torch.dtype, bias: bool = False, group: int = 32,

@@ -18,7 +18,7 @@ from edged.kernels import triton_ops as ops
 from edged.kernels.weights import LinearWeight
 from edged.models.config import MODEL_SHAPES
 
-from .kernel_inputs import DEV, make_weight, paged_cache
+from .kernel_inputs import DEV, make_weight, model_linears, paged_cache
 
 
 def _graph_time(fn, calls: int = 8, replays: int = 20) -> float:
@@ -60,13 +60,7 @@ def copy_bandwidth() -> tuple[float, float]:
 
 def decode_shapes() -> dict[str, tuple[int, int]]:
     """(N, K) of each decode linear of the MODEL_SHAPES models: fused qkv, o, fused gate_up, down, head."""
-    shapes: dict[str, tuple[int, int]] = {}
-    for name, c in MODEL_SHAPES.items():
-        h = c.hidden_size
-        shapes.update({f"{name} qkv": (c.q_size + 2 * c.kv_size, h), f"{name} o": (h, c.q_size),
-                       f"{name} gate_up": (2 * c.intermediate_size, h), f"{name} down": (h, c.intermediate_size),
-                       f"{name} head": (c.vocab_size, h)})
-    return shapes
+    return {f"{name} {linear}": (n, k) for name in MODEL_SHAPES for linear, (n, k, _) in model_linears(name).items()}
 
 
 _WEIGHTS: dict[tuple, list[LinearWeight]] = {}
@@ -289,6 +283,10 @@ def run_kernels_bench(args: argparse.Namespace) -> int:
         return 1
     if getattr(args, "w4_tensor_cores", False):
         w4_tensor_core_report()
+        return 0
+    if getattr(args, "split_sweep", False):
+        from .split_sweep import split_sweep_report
+        split_sweep_report()
         return 0
     report(sweep=getattr(args, "sweep", False))
     return 0
