@@ -1214,6 +1214,12 @@ def _one_wave_split(tiles: int, k_steps: int, slots: int, min_steps: int) -> int
     return max(1, min(want, k_steps // min_steps, 16))
 
 
+def _decode_batch_split(tiles: int, k_steps: int, sms: int, one_wave: bool) -> int:
+    """A decode batch's K split: one wave of 3 programs an SM with >= 8 K steps each (one_wave: the 8B's rows, see
+    choose_config), else 2 programs an SM with >= 4."""
+    return _one_wave_split(tiles, k_steps, 3 * sms, 8) if one_wave else _pick_split(tiles, k_steps, 2 * sms, 4)
+
+
 def choose_config(m: int, n: int, k: int, fmt: str, device: torch.device,
                   sm_count: int | None = None) -> LinearConfig:
     """Shape heuristics (no autotuning: it must also run under the CPU interpreter). GPU numbers come
@@ -1311,9 +1317,7 @@ def choose_config(m: int, n: int, k: int, fmt: str, device: torch.device,
             # 6.90 -> 6.13 ms (the best split per linear: 6.13), w4 9.42 -> 8.37 (8.09); decode graph, batch
             # 64, tok/s: w8 7,437 -> 8,035, w4 5,718 -> 6,306.
             # Shorter rows keep 2 programs an SM (SmolLM2 w4's lm_head lost 1% with one wave of 3)
-            tiles, k_steps = -(-n // 128), -(-k // 64)
-            split = (_one_wave_split(tiles, k_steps, 3 * sms, 8) if k >= 4096 else
-                     _pick_split(tiles, k_steps, 2 * sms, 4))
+            split = _decode_batch_split(-(-n // 128), -(-k // 64), sms, one_wave=k >= 4096)
             return LinearConfig("matmul", 64, 128, 64, split, num_warps=4, num_stages=3, swap=fmt == "w8")
         if block_m == 16 and short:
             # w4's swap form, SmolLM2 at 9-16 rows (session 24 sweep, batch 16: 12,115 tok/s against 10,653)
@@ -1322,9 +1326,8 @@ def choose_config(m: int, n: int, k: int, fmt: str, device: torch.device,
         # w4. At 17-32 rows over K >= 4096 (the 8B), splits for one wave of 3 programs an SM as at 33-64 rows:
         # H200 decode graph (session 32), 8B w4 batch 32: 3,614 -> 4,103 tok/s
         block_n, block_k = 128, (128 if block_m == 16 else 64)
-        tiles, k_steps = -(-m // block_m) * -(-n // block_n), -(-k // block_k)
-        split = (_one_wave_split(tiles, k_steps, 3 * sms, 8) if block_m == 32 and k >= 4096 else
-                 _pick_split(tiles, k_steps, 2 * sms, 4))
+        split = _decode_batch_split(-(-m // block_m) * -(-n // block_n), -(-k // block_k), sms,
+                                    one_wave=block_m == 32 and k >= 4096)
         return LinearConfig("matmul", block_m, block_n, block_k, split, num_warps=4, num_stages=3)
     # prompt steps: split K too. Without it SmolLM2's 128-token step had 10-48 programs a linear for 132
     # SMs; H200, a prompt-step graph of 128 / 256 tokens (docs/BENCHMARKS.md, session 17): SmolLM2 w8
@@ -1400,6 +1403,11 @@ def _k_split(row: int, step: int, split: int) -> tuple[int, int]:
     return per, -(-row // per)
 
 
+def _x_rows_steps(k: int, fmt: int, cfg: LinearConfig) -> tuple[int, int]:
+    """The GEMV of several x rows' row length and K step, both in bytes for w4 (two weights a byte)."""
+    return (k // 2, max(16, cfg.block_k // 2)) if fmt == 2 else (k, max(cfg.block_k, 32))
+
+
 @dataclass(frozen=True)
 class NormAfter:
     """An RMSNorm of the linear's result (the residual stream), made by the split-K sum (linear_add_norm)."""
@@ -1436,8 +1444,7 @@ def _gemv_x_rows(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, minim
     1-4), and the split-K sum after it (gated, norm: _sum_splits', when K is split)."""
     m, k = x.shape
     n = w.out_features
-    row = k // 2 if fmt == 2 else k  # w4: a step and a split count bytes, two weights each
-    step = max(16, cfg.block_k // 2) if fmt == 2 else max(cfg.block_k, 32)
+    row, step = _x_rows_steps(k, fmt, cfg)
     per, split = _k_split(row, step, cfg.split)
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
     resid = res if res is not None else out
@@ -1490,8 +1497,7 @@ def linear_add_norm(x: torch.Tensor, w: LinearWeight, residual: torch.Tensor, no
 def _split_count(cfg: LinearConfig, k: int, fmt: int) -> int:
     """The K splits a launch of several rows of x makes (its partials then go through _sum_splits)."""
     if cfg.kind == "gemv":
-        return _k_split(k // 2 if fmt == 2 else k, max(16, cfg.block_k // 2) if fmt == 2 else max(cfg.block_k, 32),
-                        cfg.split)[1]
+        return _k_split(*_x_rows_steps(k, fmt, cfg), cfg.split)[1]
     return _k_split(k, max(cfg.block_k, 32), max(1, cfg.split))[1]
 
 
