@@ -17,7 +17,9 @@ pytest.importorskip("triton")
 if os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("compiles for a GPU: not under the Triton interpreter", allow_module_level=True)
 
-from edged.bench.sass import Residency, compile_gemv, gemv_loop, gemv_x_rows_loop, residency  # noqa: E402
+from edged.bench.kernel_inputs import model_linears  # noqa: E402
+from edged.bench.sass import (Residency, compile_gemv, compile_matmul, gemv_loop, gemv_x_rows_loop,  # noqa: E402
+                              ptxas_info, residency)
 from edged.kernels import triton_linear as tlin  # noqa: E402
 
 
@@ -65,6 +67,22 @@ def test_gemv_of_several_x_rows_converts_each_weight_once_without_shuffles(fmt: 
         assert stats.opcodes["LOP3"] <= one_row.opcodes["LOP3"] + 32 * (xrows - 1), stats.opcodes
     assert stats.opcodes["FFMA"] >= 0.9 * weights * xrows
     assert stats.per_weight / xrows < 4.0, (stats.per_weight, stats.opcodes.most_common(8))
+
+
+@pytest.mark.parametrize("model,rows", [("smollm2-135m", 17), ("smollm2-135m", 32), ("llama-3.2-1b", 32),
+                                        ("llama-3.2-1b", 64)])  # SmolLM2's 64 rows take the plain form
+def test_the_batched_w8_matmuls_swap_form_keeps_its_wgmmas_in_flight(model: str, rows: int) -> None:
+    """The swap form's dot takes the dequantized weights from registers; ptxas serialized its wgmmas (C7515: each
+    one waited for before the next issues) while the K loop had a skip path that zeroes the accumulator. Every
+    swap launch of a decode batch compiles without that note (the H200's Triton 3.6 serialized them all; this
+    machine's 3.9 the 64-column tiles and the lm_heads)."""
+    swap = 0
+    for linear, (n, k, _) in model_linears(model).items():
+        compiled, cfg = compile_matmul("w8", rows, n, k)
+        if cfg.swap:
+            swap += 1
+            assert "C7515" not in ptxas_info(compiled), (linear, cfg)
+    assert swap
 
 
 @pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (3072, 2048)])

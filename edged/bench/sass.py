@@ -212,6 +212,42 @@ def compile_gemv_x_rows(n: int, k: int, xrows: int, arch: int = 90, sym: bool = 
     return _compile(fn, *_signature(fn, pointers, ints, constexprs), arch, cfg), cfg
 
 
+def compile_matmul(fmt: str, m: int, n: int, k: int, arch: int = 90):
+    """Triton's compiled batched decode matmul of m rows of x (bf16) against an [n, k] weight (symmetric w8, or
+    w4), as `linear` launches it on an H200 (its launch rule's tile, form and K split)."""
+    cfg = tlin.choose_config(m, n, k, fmt, torch.device("cuda"), sm_count=H200_SMS)
+    if cfg.kind != "matmul":
+        raise ValueError(f"{m} rows of x against [{n}, {k}] {fmt} launch a {cfg.kind}, not the matmul")
+    block_k = max(cfg.block_k, 32)
+    per, split = tlin._k_split(k, block_k, max(1, cfg.split))  # as linear() splits the row
+    w8 = fmt == "w8"
+    constexprs = dict(FORMAT=1 if w8 else 2, HAS_BIAS=False, SPLIT=split > 1, EVEN_K=k % block_k == 0,
+                      GROUP_SIZE=32, ROW_GROUP=False, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
+                      GROUP_M=8, RESIDUAL=False, SWAP=cfg.swap, PREFETCH=cfg.prefetch and w8, SYM=w8,
+                      PDL=arch >= 90, ASM=cfg.asm_dequant and w8, PART_EVICT="evict_last" if m <= cfg.block_m else "")
+    pointers = {"x_ptr": "*bf16", "w_ptr": "*u8", "scale_ptr": "*fp16", "min_ptr": "*fp16", "bias_ptr": "*bf16",
+                "out_ptr": "*bf16", "part_ptr": "*fp32", "res_ptr": "*bf16"}
+    ints = {"M": m, "N": n, "K": k, "k_per_split": per, "stride_xm": k, "stride_wn": k if w8 else k // 2,
+            "stride_sn": k // 32, "stride_om": n, "stride_rm": n}
+    fn = tlin._matmul_kernel
+    return _compile(fn, *_signature(fn, pointers, ints, constexprs), arch, cfg), cfg
+
+
+def ptxas_info(compiled, arch: int = 90) -> str:
+    """What Triton's own ptxas says of a compiled kernel's PTX with -v: its resources, and its performance
+    notes (C7515: the wgmma instructions serialized, each waited for before the next issues)."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    ptxas = get_ptxas(arch).path  # the one Triton compiles with (3.9 takes its newer ptxas for sm_90)
+    suffix = "a" if arch >= 90 else ""  # wgmma is in sm_90a only
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = Path(tmp) / "kernel.ptx"
+        ptx.write_text(compiled.asm["ptx"])
+        run = subprocess.run([ptxas, f"-arch=sm_{arch}{suffix}", "-v", str(ptx), "-o", str(Path(tmp) / "k.cubin")],
+                             capture_output=True, text=True, check=True)
+    return run.stdout + run.stderr
+
+
 def gemv_loop(fmt: str, n: int, k: int, arch: int = 90) -> tuple[LoopStats, tlin.LinearConfig]:
     """Compile the bf16 decode GEMV of an [n, k] w8 or w4 weight as `linear` launches it on an H200 and
     count its K loop."""
