@@ -1307,11 +1307,13 @@ def choose_config(m: int, n: int, k: int, fmt: str, device: torch.device,
                                 _pick_split(-(-m // block_m) * -(-n // block_n), -(-k // 64), target, 4),
                                 num_warps=4, num_stages=3, swap=not plain, asm_dequant=plain)
         if fmt == "w8" and block_m == 64 and short:
-            # SmolLM2's short rows at 33-64 rows: the plain form, bytes made floats by one prmt each, 64 x 64
-            # tiles, 2 programs an SM (H200 decode graph, session 25, tok/s at batch 48 / 64: 30,569 / 38,281
-            # against 27,223 / 34,246 for the swap form below; the 1B's and 8B's longer rows keep the swap form)
+            # SmolLM2's short rows at 33-64 rows: the swap form over 64 x 64 tiles, 2 programs an SM. H200 decode
+            # graph (session 34), tok/s at batch 40 / 48 / 56 / 64 against the plain form with bytes made floats
+            # by one prmt each (which won while the swap form's wgmmas were serialized, session 25): 33,015 /
+            # 37,723 / 42,932 / 48,027 against 32,383 / 37,133 / 42,184 / 46,911; the 64 x 128 swap tiles below
+            # 33,747 / 42,770 at 48 / 64; 1 or 3 programs an SM the same, one wave of 3 slower
             return LinearConfig("matmul", 64, 64, 64, _pick_split(-(-n // 64), -(-k // 64), 2 * sms, 4),
-                                num_warps=4, num_stages=3, asm_dequant=True)
+                                num_warps=4, num_stages=3, swap=True)
         if block_m == 64:
             # w8 (H200 sweep over the 1B / 8B decode linears at M = 64, docs/BENCHMARKS.md, session 16): the
             # weight tile as the dot's first operand, 128 x 64 tiles, 0.73x the time of w4's form summed over

@@ -1,8 +1,8 @@
-"""choose_config's decode launches for an H200 (132 SMs) where the session 25-27 sweeps changed them: the
+"""choose_config's decode launches for an H200 (132 SMs) where the session 25-34 sweeps changed them: the
 register cap of the large one-row w8 GEMVs, 2 warps a program for the one-row GEMVs of long rows in 2049-8192 rows,
-2 warps and a register cap for the large one-row w4 GEMVs, and the plain matmul for SmolLM2's short rows at 33-64
-sequences; and attention_decode's tile (session 30). The kernels each launch runs are tested on the GPU
-(test_kernels_gpu.py) and compiled in test_bench_sass.py."""
+2 warps and a register cap for the large one-row w4 GEMVs, and the swap matmul's 64-wide tiles for SmolLM2's short
+rows at 33-64 sequences; and attention_decode's tile (session 30). The kernels each launch runs are tested on the
+GPU (test_kernels_gpu.py) and compiled in test_bench_sass.py."""
 from __future__ import annotations
 
 import pytest
@@ -74,13 +74,13 @@ def test_large_one_row_w4_gemvs_of_1025_to_4096_columns_take_2_warps_capped_regi
 
 
 @pytest.mark.parametrize("m", [33, 48, 64])
-def test_short_w8_rows_at_33_to_64_sequences_take_the_plain_matmul_with_ptx_dequant(m: int) -> None:
-    """SmolLM2's layers (K <= SHORT_K) at 33-64 rows: 64 x 64 tiles, the weight not swapped, bytes to floats
-    by PTX; the 1B's and 8B's longer rows keep the swap form's 128-wide tiles."""
+def test_short_w8_rows_at_33_to_64_sequences_take_the_swap_matmul_over_64_wide_tiles(m: int) -> None:
+    """SmolLM2's layers (K <= SHORT_K) at 33-64 rows: the swap form over 64 x 64 tiles; the 1B's and 8B's longer
+    rows keep the swap form's 128-wide tiles."""
     for n, k in ((960, 576), (576, 1536), (3072, 576)):
         cfg = _config(m, n, k, "w8")
         assert (cfg.kind, cfg.block_m, cfg.block_n, cfg.block_k) == ("matmul", 64, 64, 64), (n, k, cfg)
-        assert (cfg.swap, cfg.asm_dequant) == (False, True), (n, k, cfg)
+        assert (cfg.swap, cfg.asm_dequant) == (True, False), (n, k, cfg)
     for n, k in ((6144, 4096), (4096, 14336), (3072, 2048)):
         cfg = _config(m, n, k, "w8")
         assert (cfg.block_n, cfg.swap, cfg.asm_dequant) == (128, True, False), (n, k, cfg)
