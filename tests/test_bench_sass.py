@@ -70,12 +70,13 @@ def test_gemv_of_several_x_rows_converts_each_weight_once_without_shuffles(fmt: 
 
 
 @pytest.mark.parametrize("model,rows", [("smollm2-135m", 17), ("smollm2-135m", 32), ("smollm2-135m", 64),
-                                        ("llama-3.2-1b", 32), ("llama-3.2-1b", 64)])
+                                        ("llama-3.2-1b", 32), ("llama-3.2-1b", 64), ("llama-3-8b", 32),
+                                        ("llama-3-8b", 64)])
 def test_the_batched_w8_matmuls_swap_form_keeps_its_wgmmas_in_flight(model: str, rows: int) -> None:
     """The swap form's dot takes the dequantized weights from registers; ptxas serialized its wgmmas (C7515: each
     one waited for before the next issues) while the K loop had a skip path that zeroes the accumulator. Every
-    swap launch of a decode batch compiles without that note (the H200's Triton 3.6 serialized them all; this
-    machine's 3.9 the 64-column tiles and the lm_heads)."""
+    swap launch of SmolLM2's, the 1B's and the 8B's decode batches compiles without that note (the H200's Triton 3.6
+    serialized them all; this machine's 3.9 the 64-column tiles and the lm_heads)."""
     swap = 0
     for linear, (n, k, _) in model_linears(model).items():
         compiled, cfg = compile_matmul("w8", rows, n, k)
