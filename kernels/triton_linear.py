@@ -911,13 +911,29 @@ def _load_chunks(w_tile, s_rows, m_rows, k0, k_hi, ci, GROUP_SIZE: tl.constexpr,
 
 
 @triton.jit
+def _relabelled_columns(k):
+    """The column of a 64-column step that the dot's column k takes under _relabel_k: k = 16a + 8b + 2c + d
+    (a < 4, c < 4, b, d < 2) reads column 16c + 4a + 2b + d."""
+    return 16 * ((k // 2) % 4) + 4 * (k // 16) + 2 * ((k // 8) % 2) + k % 2
+
+
+@triton.jit
+def _relabel_k(w, BLOCK_N: tl.constexpr):
+    """A [BLOCK_N, 64] weight step with its columns reordered as _relabelled_columns gives x's: Hopper's register
+    operand has a thread hold columns 2c + d (+ 8b) of each 16-column MMA, so the thread that holds dot columns
+    of one c over a, b and d holds 16 consecutive stored columns, and reads them from shared memory as one
+    16-byte word instead of eight 2-byte ones. The dot's sum over k is the same in any column order."""
+    return tl.reshape(tl.permute(tl.reshape(w, (BLOCK_N, 4, 4, 2, 2)), (0, 2, 3, 1, 4)), (BLOCK_N, 64))
+
+
+@triton.jit
 def _matmul_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr, res_ptr, M, N, K,
                    k_per_split, stride_xm, stride_wn, stride_sn, stride_om, stride_rm,
                    FORMAT: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
                    GROUP_SIZE: tl.constexpr, ROW_GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, RESIDUAL: tl.constexpr,
                    SWAP: tl.constexpr, PREFETCH: tl.constexpr, SYM: tl.constexpr, PDL: tl.constexpr,
-                   ASM: tl.constexpr, PART_EVICT: tl.constexpr):
+                   ASM: tl.constexpr, PART_EVICT: tl.constexpr, RELABEL_K: tl.constexpr = False):
     """x [M, K] @ W^T with W dequantized per tile to x's dtype; program (output tile, k split).
     Grouped w8: tiles of 32-weight chunks, one scale and minimum each (SYM: w = (q - 128) * scale). SWAP: the dot is
     W_tile @ x_tile^T, so the dequantized weights (already in registers) are its first operand, which
@@ -1021,7 +1037,8 @@ def _matmul_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr
         kx = tl.arange(0, BLOCK_K)
         if SWAP:
             acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-            x_tile = x_ptr + rm_ld.to(tl.int64)[None, :] * stride_xm + kx[:, None]
+            kx_read = _relabelled_columns(kx) if RELABEL_K else kx  # the column of x each dot column reads
+            x_tile = x_ptr + rm_ld.to(tl.int64)[None, :] * stride_xm + kx_read[:, None]
         else:
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             x_tile = x_rows + kx[None, :]
@@ -1036,7 +1053,7 @@ def _matmul_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr
             if EVEN_K:
                 xt = tl.load(x_tile + k0)
             elif SWAP:
-                xt = tl.load(x_tile + k0, mask=(k0 + kx[:, None]) < k_hi, other=0.0)
+                xt = tl.load(x_tile + k0, mask=(k0 + kx_read[:, None]) < k_hi, other=0.0)
             else:
                 xt = tl.load(x_tile + k0, mask=(k0 + kx[None, :]) < k_hi, other=0.0)
             # q * scale + minimum (SYM: (q - 128) * scale) in float32, rounded once
@@ -1058,6 +1075,8 @@ def _matmul_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr
                     q = small_uint_to_f32(b.to(tl.int32))
                 w = q * s3 + m3
             wt = tl.reshape(w.to(dt), (BLOCK_N, BLOCK_K))
+            if RELABEL_K:
+                wt = _relabel_k(wt, BLOCK_N)
             if SWAP:
                 acc += tl.dot(wt, xt)
             else:
@@ -1191,6 +1210,7 @@ class LinearConfig:
     prefetch: bool = False
     asm_dequant: bool = False
     max_registers: int | None = None
+    relabel_k: bool = False
 
 
 _SM_COUNT: dict[int, int] = {}
@@ -1628,8 +1648,9 @@ def _linear(x: torch.Tensor, w: LinearWeight, config: LinearConfig | None, out_d
                 BLOCK_K=block_k, GROUP_M=8, RESIDUAL=res2 is not None,
                 SWAP=cfg.swap and fmt in (1, 2) and not row_group, PREFETCH=cfg.prefetch and fmt == 1 and not row_group,
                 SYM=sym, ASM=cfg.asm_dequant and fmt == 1 and asm_conversions(x.device),
-                PART_EVICT="evict_last" if stream else "", num_warps=cfg.num_warps,
-                num_stages=cfg.num_stages, **pdl_launch(x.device))
+                PART_EVICT="evict_last" if stream else "",
+                RELABEL_K=cfg.relabel_k and cfg.swap and fmt == 1 and not row_group and block_k == 64,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **cap, **pdl_launch(x.device))
             if split > 1:
                 norm = None if normed is None else NormAfter(norm_after[0], norm_after[1], normed)
                 _sum_splits(part, bias, res, out, split, w.bias is not None, res2 is not None, stream,

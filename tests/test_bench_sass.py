@@ -18,8 +18,8 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("compiles for a GPU: not under the Triton interpreter", allow_module_level=True)
 
 from edged.bench.kernel_inputs import model_linears  # noqa: E402
-from edged.bench.sass import (Residency, compile_gemv, compile_matmul, gemv_loop, gemv_x_rows_loop,  # noqa: E402
-                              ptxas_info, residency)
+from edged.bench.sass import (Residency, _read_cubin, compile_gemv, compile_matmul, gemv_loop,  # noqa: E402
+                              gemv_x_rows_loop, longest_loop, ptxas_info, residency)
 from edged.kernels import triton_linear as tlin  # noqa: E402
 
 
@@ -84,6 +84,20 @@ def test_the_batched_w8_matmuls_swap_form_keeps_its_wgmmas_in_flight(model: str,
             swap += 1
             assert "C7515" not in ptxas_info(compiled), (linear, cfg)
     assert swap
+
+
+def test_relabelled_columns_read_the_swap_forms_weights_from_shared_memory_as_16_byte_words() -> None:
+    """The w8 swap form at 64 rows over the 8B's down reads a K step's 64 weights a thread from shared memory by
+    32 two-byte loads; with its columns relabelled (relabel_k) by 4 sixteen-byte ones, and x arrives by 4-byte
+    copies instead (docs/BENCHMARKS.md, session 37)."""
+    counts = {}
+    for relabel in (False, True):
+        compiled, _ = compile_matmul("w8", 64, 4096, 14336, relabel_k=relabel)
+        loop = longest_loop(_read_cubin(compiled, "nvdisasm", "-c"))
+        counts[relabel] = {op: sum(i.split()[0] == op for i in loop) for op in ("LDS.U16", "LDS.128", "LDGSTS.E")}
+    assert counts[False]["LDS.U16"] == 32 and counts[True]["LDS.U16"] == 0, counts
+    assert counts[True]["LDS.128"] >= 4, counts
+    assert counts[True]["LDGSTS.E"] == 16 and counts[False]["LDGSTS.E"] == 0, counts
 
 
 @pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (3072, 2048)])

@@ -206,10 +206,12 @@ def test_decode_batches_sum_their_splits_into_the_norm_after_and_the_gate_bit_fo
     assert (("norm", 64) in fused) == (hidden <= tlin.SUM_FUSES_MAX_HIDDEN), fused
 
 
-MATMUL_FORMS = [  # (swap, prefetch, block_n, block_k, split, asm_dequant): every form the sweeps consider
-    (True, False, 128, 64, 3, False), (True, True, 128, 64, 1, False), (True, False, 64, 64, 2, False),
-    (False, True, 64, 128, 5, False), (False, False, 64, 128, 1, False), (True, False, 128, 64, 3, True),
-    (False, False, 128, 64, 2, True), (False, True, 64, 128, 1, True)]
+MATMUL_FORMS = [  # (swap, prefetch, block_n, block_k, split, asm_dequant, relabel_k): every form the sweeps consider
+    (True, False, 128, 64, 3, False, False), (True, True, 128, 64, 1, False, False),
+    (True, False, 64, 64, 2, False, False), (False, True, 64, 128, 5, False, False),
+    (False, False, 64, 128, 1, False, False), (True, False, 128, 64, 3, True, False),
+    (False, False, 128, 64, 2, True, False), (False, True, 64, 128, 1, True, False),
+    (True, False, 128, 64, 3, False, True), (True, False, 64, 64, 1, True, True)]
 
 
 @pytest.mark.parametrize("fmt", ["w8", "w8sym", "w4"])
@@ -222,9 +224,9 @@ def test_linear_matmul_variants(fmt: str) -> None:
         x = torch.randn(m, 14336, device=DEV).bfloat16()
         res = torch.randn(m, 4099, device=DEV).bfloat16()
         want = ref_linear(x, w)
-        for swap, prefetch, block_n, block_k, split, asm in MATMUL_FORMS:
+        for swap, prefetch, block_n, block_k, split, asm, relabel in MATMUL_FORMS:
             cfg = tlin.LinearConfig("matmul", 16 if m <= 16 else 64, block_n, block_k, split, swap=swap,
-                                    prefetch=prefetch, asm_dequant=asm)
+                                    prefetch=prefetch, asm_dequant=asm, relabel_k=relabel)
             assert rel_err(tlin.linear(x, w, cfg), want) < REL[torch.bfloat16], (m, cfg)
             got = tlin.linear(x, w, cfg, residual=res)
             assert rel_err(got, (want.float() + res.float())) < REL[torch.bfloat16], (m, cfg)
@@ -242,9 +244,9 @@ def test_batched_w8_matmul_rounds_each_weight_once_to_the_activation_dtype(fmt: 
     w = quantize_w8(dense, symmetric=fmt == "w8sym").astype(torch.bfloat16)
     want = dequantize(w, torch.float32).to(torch.bfloat16).float().T  # [k, n]: column j's weights
     eye = torch.eye(k, device=DEV, dtype=torch.bfloat16)
-    for swap, prefetch, block_n, block_k, split, asm in MATMUL_FORMS:
+    for swap, prefetch, block_n, block_k, split, asm, relabel in MATMUL_FORMS:
         cfg = tlin.LinearConfig("matmul", 64, block_n, block_k, split, swap=swap, prefetch=prefetch,
-                                asm_dequant=asm)
+                                asm_dequant=asm, relabel_k=relabel)
         for first in range(0, k, 64):
             got = tlin.linear(eye[first:first + 64], w, cfg, out_dtype=torch.float32)
             assert torch.equal(got, want[first:first + 64]), (cfg, first)

@@ -284,6 +284,19 @@ def test_linear_matmul_split_and_3d(fmt: str, swap: bool, prefetch: bool) -> Non
 
 
 @pytest.mark.parametrize("fmt", ["w8", "w8sym"])
+def test_swap_matmul_with_relabelled_columns_sums_the_same_products(fmt: str) -> None:
+    """The grouped w8 swap matmul whose 64-column steps take the weights' columns in the register operand's order
+    and x's in the same order (relabel_k): the reference's result, split over K or not, on a ragged K (192 = 3
+    steps, split 2 takes a step and a half's chunks apart) with leading dims and strided rows."""
+    torch.manual_seed(1)
+    w = _weight(fmt, 48, 192, torch.float16, bias=True, group=64)
+    x = torch.randn(2, 9, 192).to(torch.float16)
+    _check_linear(x, w, tlin.LinearConfig("matmul", 16, 32, 64, split=2, swap=True, relabel_k=True))
+    xs = torch.randn(3, 400).to(torch.float16)[:, :192]
+    _check_linear(xs, w, tlin.LinearConfig("matmul", 16, 32, 64, split=1, swap=True, relabel_k=True))
+
+
+@pytest.mark.parametrize("fmt", ["w8", "w8sym"])
 def test_batched_w8_matmul_rounds_each_weight_once_to_the_activation_dtype(fmt: str) -> None:
     """Rows of x that each pick one column read the dequantized weights back through the batched grouped w8
     matmul's portable forms: each the exact weight rounded once to float16, bit for bit (the PTX forms: the GPU

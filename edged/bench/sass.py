@@ -212,10 +212,11 @@ def compile_gemv_x_rows(n: int, k: int, xrows: int, arch: int = 90, sym: bool = 
     return _compile(fn, *_signature(fn, pointers, ints, constexprs), arch, cfg), cfg
 
 
-def compile_matmul(fmt: str, m: int, n: int, k: int, arch: int = 90):
+def compile_matmul(fmt: str, m: int, n: int, k: int, arch: int = 90, relabel_k: bool = False):
     """Triton's compiled batched decode matmul of m rows of x (bf16) against an [n, k] weight (symmetric w8, or
-    w4), as `linear` launches it on an H200 (its launch rule's tile, form and K split)."""
-    cfg = tlin.choose_config(m, n, k, fmt, torch.device("cuda"), sm_count=H200_SMS)
+    w4), as `linear` launches it on an H200 (its launch rule's tile, form and K split); relabel_k: the w8 swap
+    form with its 64-column steps relabelled (LinearConfig.relabel_k)."""
+    cfg = replace(tlin.choose_config(m, n, k, fmt, torch.device("cuda"), sm_count=H200_SMS), relabel_k=relabel_k)
     if cfg.kind != "matmul":
         raise ValueError(f"{m} rows of x against [{n}, {k}] {fmt} launch a {cfg.kind}, not the matmul")
     block_k = max(cfg.block_k, 32)
@@ -224,7 +225,8 @@ def compile_matmul(fmt: str, m: int, n: int, k: int, arch: int = 90):
     constexprs = dict(FORMAT=1 if w8 else 2, HAS_BIAS=False, SPLIT=split > 1, EVEN_K=k % block_k == 0,
                       GROUP_SIZE=32, ROW_GROUP=False, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
                       GROUP_M=8, RESIDUAL=False, SWAP=cfg.swap, PREFETCH=cfg.prefetch and w8, SYM=w8,
-                      PDL=arch >= 90, ASM=cfg.asm_dequant and w8, PART_EVICT="evict_last" if m <= cfg.block_m else "")
+                      PDL=arch >= 90, ASM=cfg.asm_dequant and w8, PART_EVICT="evict_last" if m <= cfg.block_m else "",
+                      RELABEL_K=relabel_k and cfg.swap and w8 and block_k == 64)
     pointers = {"x_ptr": "*bf16", "w_ptr": "*u8", "scale_ptr": "*fp16", "min_ptr": "*fp16", "bias_ptr": "*bf16",
                 "out_ptr": "*bf16", "part_ptr": "*fp32", "res_ptr": "*bf16"}
     ints = {"M": m, "N": n, "K": k, "k_per_split": per, "stride_xm": k, "stride_wn": k if w8 else k // 2,
