@@ -1031,13 +1031,14 @@ def _matmul_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr
                 acc += tl.dot(xo, tl.trans(hi))
     elif FORMAT == 1 and not ROW_GROUP:
         ci = tl.arange(0, BLOCK_K // 32)  # 32-weight chunks, one scale and minimum each
+        relabel: tl.constexpr = RELABEL_K and SWAP and BLOCK_K == 64  # _relabel_k's steps are 64 columns
         w_tile = w_ptr + rn64[:, None, None] * stride_wn + (ci[:, None] * 32 + tl.arange(0, 32)[None, :])[None, :, :]
         s_rows = scale_ptr + rn64[:, None] * stride_sn
         m_rows = min_ptr + rn64[:, None] * stride_sn
         kx = tl.arange(0, BLOCK_K)
         if SWAP:
             acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-            kx_read = _relabelled_columns(kx) if RELABEL_K else kx  # the column of x each dot column reads
+            kx_read = _relabelled_columns(kx) if relabel else kx  # the column of x each dot column reads
             x_tile = x_ptr + rm_ld.to(tl.int64)[None, :] * stride_xm + kx_read[:, None]
         else:
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -1075,7 +1076,7 @@ def _matmul_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr
                     q = small_uint_to_f32(b.to(tl.int32))
                 w = q * s3 + m3
             wt = tl.reshape(w.to(dt), (BLOCK_N, BLOCK_K))
-            if RELABEL_K:
+            if relabel:
                 wt = _relabel_k(wt, BLOCK_N)
             if SWAP:
                 acc += tl.dot(wt, xt)
@@ -1197,7 +1198,9 @@ class LinearConfig:
     Matmul: block_m x block_n tiles over block_k. split: K splits. swap, prefetch: the grouped w8
     matmul's forms (_matmul_kernel); other weights ignore them. asm_dequant: the grouped w8 matmul's bytes
     to floats by inline PTX (on a GPU that takes it; the interpreter never does). max_registers: a cap on
-    the one-row GEMV's registers a thread (ptxas' maxnreg), so that an SM keeps more of its programs."""
+    the registers a thread (ptxas' maxnreg), so that an SM keeps more of a launch's programs. relabel_k: the grouped
+    w8 swap matmul's 64-column steps with columns in the register operand's order (_relabel_k; measured slower,
+    docs/BENCHMARKS.md session 37, so no launch rule sets it)."""
 
     kind: str  # "gemv" | "matmul" | "torch"
     block_m: int = 16
@@ -1649,7 +1652,7 @@ def _linear(x: torch.Tensor, w: LinearWeight, config: LinearConfig | None, out_d
                 SWAP=cfg.swap and fmt in (1, 2) and not row_group, PREFETCH=cfg.prefetch and fmt == 1 and not row_group,
                 SYM=sym, ASM=cfg.asm_dequant and fmt == 1 and asm_conversions(x.device),
                 PART_EVICT="evict_last" if stream else "",
-                RELABEL_K=cfg.relabel_k and cfg.swap and fmt == 1 and not row_group and block_k == 64,
+                RELABEL_K=cfg.relabel_k,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages, **cap, **pdl_launch(x.device))
             if split > 1:
                 norm = None if normed is None else NormAfter(norm_after[0], norm_after[1], normed)

@@ -226,7 +226,7 @@ def compile_matmul(fmt: str, m: int, n: int, k: int, arch: int = 90, relabel_k: 
                       GROUP_SIZE=32, ROW_GROUP=False, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
                       GROUP_M=8, RESIDUAL=False, SWAP=cfg.swap, PREFETCH=cfg.prefetch and w8, SYM=w8,
                       PDL=arch >= 90, ASM=cfg.asm_dequant and w8, PART_EVICT="evict_last" if m <= cfg.block_m else "",
-                      RELABEL_K=relabel_k and cfg.swap and w8 and block_k == 64)
+                      RELABEL_K=relabel_k)
     pointers = {"x_ptr": "*bf16", "w_ptr": "*u8", "scale_ptr": "*fp16", "min_ptr": "*fp16", "bias_ptr": "*bf16",
                 "out_ptr": "*bf16", "part_ptr": "*fp32", "res_ptr": "*bf16"}
     ints = {"M": m, "N": n, "K": k, "k_per_split": per, "stride_xm": k, "stride_wn": k if w8 else k // 2,
