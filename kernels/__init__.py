@@ -27,10 +27,12 @@ from types import ModuleType
 import torch
 
 from . import cpu, reference
-from .weights import LinearWeight, concat_out, dequantize, pack_w4, quantize_w4, quantize_w8
+from .weights import (LinearWeight, concat_out, dequantize, natural_order, pack_w4, quantize_w4, quantize_w8,
+                      to_mma_order)
 
 __all__ = [
-    "LinearWeight", "concat_out", "dequantize", "pack_w4", "quantize_w4", "quantize_w8",
+    "LinearWeight", "concat_out", "dequantize", "natural_order", "pack_w4", "quantize_w4", "quantize_w8",
+    "to_mma_order",
     "linear", "linear_add_norm", "rms_norm", "rope", "silu_and_mul", "write_kv", "rope_write_kv", "attention_decode",
     "attention_prefill", "argmax", "sample", "backend_for",
 ]

@@ -34,7 +34,7 @@ from . import cpu_native
 from .reference import check_silu_mul_out, quantize_kv_int8
 from .reference import argmax as argmax  # noqa: PLC0414 - per-step ops: the reference is the implementation
 from .reference import sample as sample  # noqa: PLC0414
-from .weights import LinearWeight, dequantize, group_minimums
+from .weights import LinearWeight, dequantize, group_minimums, natural_order
 
 DEQUANT_ROWS = 32  # rows from which a quantized linear dequantizes into scratch and runs a dense GEMM
 DEQUANT_MAX_ELEMENTS = 1 << 23  # ... unless the weight is larger than this (a vocabulary-sized lm_head)
@@ -77,6 +77,7 @@ def prepack(w: LinearWeight) -> LinearWeight:
 
 
 def _pack(w: LinearWeight) -> CpuPacked:
+    w = natural_order(w)  # a GPU weight's MMA order: these kernels read columns in order
     bias = None if w.bias is None else w.bias.to(_F32)
     n = w.out_features
     if w.format == "dense":

@@ -329,10 +329,11 @@ def _norm_weights(nw_ptr, k, km, NORM: tl.constexpr):
 
 @triton.jit
 def _x_step(x_ptr, nwv, K, k, km, inv, dt: tl.constexpr, NORM: tl.constexpr, SILU: tl.constexpr,
-            EVEN_K: tl.constexpr, C: tl.constexpr, VEC: tl.constexpr, QUARTER_XSUM: tl.constexpr):
+            EVEN_K: tl.constexpr, C: tl.constexpr, VEC: tl.constexpr, QUARTER_XSUM: tl.constexpr,
+            MMA: tl.constexpr):
     """x at one step's columns k, through the fused prologue (NORM: nwv the step's _norm_weights; SILU):
     its quarters, its chunk sums (QUARTER_XSUM: summed from the quarters, quarter_xsum), and 32768 times them
-    (the w8 constant's share)."""
+    (the w8 constant's share). MMA: x's columns in the order of weights stored in the MMA order (w8, VEC 16)."""
     if EVEN_K:
         xv = tl.load(x_ptr + k).to(tl.float32)
     else:
@@ -341,12 +342,29 @@ def _x_step(x_ptr, nwv, K, k, km, inv, dt: tl.constexpr, NORM: tl.constexpr, SIL
         xv = _round_as(nwv.to(tl.float32) * (xv * inv), dt)
     if SILU:
         xv = _round_as(_silu_mul(xv, tl.load(x_ptr + K + k, mask=km, other=0.0).to(tl.float32)), dt)
+    if MMA:
+        xv = _mma_order_columns(xv, C, 16)
     x0, x1, x2, x3 = _quarters(xv, C, VEC)
     if QUARTER_XSUM:
         xsum = tl.sum(x0 + x1 + x2 + x3, axis=1)
     else:
         xsum = tl.sum(xv, axis=1)
     return x0, x1, x2, x3, xsum, xsum * 32768.0  # the last unused (and not computed) where EXACT
+
+
+@triton.jit
+def _mma_order_columns(v, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """[ROWS, COLS] columns in the MMA order (kernels/weights.py MMA_COLUMNS): position 4c + 2b + d of every 16 takes
+    column 8b + 2c + d. Where a thread holds a 16-column chunk whole (the GEMVs' VEC), this only renames registers."""
+    return tl.reshape(tl.permute(tl.reshape(v, (ROWS, COLS // 16, 2, 4, 2)), (0, 1, 3, 2, 4)), (ROWS, COLS))
+
+
+@triton.jit
+def _natural_columns(w, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """A [ROWS, COLS] tile of weights stored in the MMA order with its columns back in order: column 8b + 2c + d of
+    every 16 takes stored position 4c + 2b + d. Where the tile is the swap form's register operand, a thread's 4
+    bytes of each 16 columns then come from shared memory as one word (ldmatrix), not as two halves."""
+    return tl.reshape(tl.permute(tl.reshape(w, (ROWS, COLS // 16, 4, 2, 2)), (0, 1, 3, 2, 4)), (ROWS, COLS))
 
 
 @triton.jit
@@ -371,7 +389,7 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr, 
                  SPLIT: tl.constexpr, EVEN_K: tl.constexpr, GROUP_SIZE: tl.constexpr, ROWS: tl.constexpr,
                  BLOCK_K: tl.constexpr, VEC: tl.constexpr, NORM: tl.constexpr, SILU: tl.constexpr,
                  RESIDUAL: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr, GATED: tl.constexpr,
-                 EXACT: tl.constexpr, SYM: tl.constexpr, QUARTER_XSUM: tl.constexpr):
+                 EXACT: tl.constexpr, SYM: tl.constexpr, QUARTER_XSUM: tl.constexpr, MMA: tl.constexpr):
     """One row of x against ROWS (1, 2 or 4) rows of dense or w8 weights (SYM: w8 without minimums);
     program (row block, k split). Each step loads one [BLOCK_K // VEC, VEC] tile of x (a thread owns VEC
     consecutive columns, one 16-byte weight load) and uses it for every weight row: x is read and
@@ -411,7 +429,8 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr, 
     inv = 1.0
     if NORM:
         inv = _rms_inv(x_ptr, K, eps, BLOCK_K)
-    x0, x1, x2, x3, xsum, magic_xsum = _x_step(x_ptr, nwv, K, k, km, inv, dt, NORM, SILU, EVEN_K, C, VEC, QUARTER_XSUM)
+    x0, x1, x2, x3, xsum, magic_xsum = _x_step(x_ptr, nwv, K, k, km, inv, dt, NORM, SILU, EVEN_K, C, VEC, QUARTER_XSUM,
+                                               MMA)
     a0 = _dot_loaded(a0, w0, sc0, mn0, x0, x1, x2, x3, xsum, magic_xsum, FORMAT, C, VEC, ASM, EXACT, SYM)
     if ROWS > 1:
         a1 = _dot_loaded(a1, w1, sc1, mn1, x0, x1, x2, x3, xsum, magic_xsum, FORMAT, C, VEC, ASM, EXACT, SYM)
@@ -422,7 +441,7 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr, 
         k, km, grp, cm = _step_columns(k0, k_hi, col, chunk, GROUP_SIZE)
         nwv = _norm_weights(nw_ptr, k, km, NORM)
         x0, x1, x2, x3, xsum, magic_xsum = _x_step(x_ptr, nwv, K, k, km, inv, dt, NORM, SILU, EVEN_K, C, VEC,
-                                                   QUARTER_XSUM)
+                                                   QUARTER_XSUM, MMA)
         w0, sc0, mn0 = _load_row(r0, s0, m0, k, grp, km, cm, FORMAT, EVEN_K, SYM)
         a0 = _dot_loaded(a0, w0, sc0, mn0, x0, x1, x2, x3, xsum, magic_xsum, FORMAT, C, VEC, ASM, EXACT, SYM)
         if ROWS > 1:
@@ -441,10 +460,12 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr, 
 @triton.jit
 def _x_row_sums(a0, a1, p00, p01, p02, p03, p10, p11, p12, p13, sc0, mn0, sc1, mn1, x_ptr, K, k, km,
                 dt: tl.constexpr, FORMAT: tl.constexpr, ROWS: tl.constexpr, EVEN_K: tl.constexpr, C: tl.constexpr,
-                VEC: tl.constexpr, EXACT: tl.constexpr, SYM: tl.constexpr, QUARTER_XSUM: tl.constexpr):
+                VEC: tl.constexpr, EXACT: tl.constexpr, SYM: tl.constexpr, QUARTER_XSUM: tl.constexpr,
+                MMA: tl.constexpr):
     """One row of x (at x_ptr) at one step, loaded once, against the program's converted weight rows: a0 and
     a1 (weight rows 0 and 1) accumulate in the single-row GEMV's arithmetic."""
-    x0, x1, x2, x3, xs, mxs = _x_step(x_ptr, 0.0, K, k, km, 1.0, dt, False, False, EVEN_K, C, VEC, QUARTER_XSUM)
+    x0, x1, x2, x3, xs, mxs = _x_step(x_ptr, 0.0, K, k, km, 1.0, dt, False, False, EVEN_K, C, VEC, QUARTER_XSUM,
+                                      MMA)
     a0 = _chunk_sums(a0, p00, p01, p02, p03, sc0, mn0, x0, x1, x2, x3, xs, mxs, FORMAT, EXACT, SYM)
     if ROWS > 1:
         a1 = _chunk_sums(a1, p10, p11, p12, p13, sc1, mn1, x0, x1, x2, x3, xs, mxs, FORMAT, EXACT, SYM)
@@ -455,24 +476,24 @@ def _x_row_sums(a0, a1, p00, p01, p02, p03, p10, p11, p12, p13, sc0, mn0, sc1, m
 def _x_rows_step(a00, a01, a02, a03, a10, a11, a12, a13, p00, p01, p02, p03, p10, p11, p12, p13, sc0, mn0, sc1, mn1,
                  x_ptr, stride_xm, K, k, km, dt: tl.constexpr, FORMAT: tl.constexpr, ROWS: tl.constexpr,
                  XROWS: tl.constexpr, EVEN_K: tl.constexpr, C: tl.constexpr, VEC: tl.constexpr,
-                 EXACT: tl.constexpr, SYM: tl.constexpr, QUARTER_XSUM: tl.constexpr):
+                 EXACT: tl.constexpr, SYM: tl.constexpr, QUARTER_XSUM: tl.constexpr, MMA: tl.constexpr):
     """One K step of up to 4 rows of x (XROWS, from x_ptr) against the program's converted weight rows
     (p0*: row 0's _weight_floats, p1*: row 1's when ROWS == 2) by _x_row_sums; a{r}{m} accumulates weight
     row r against x row m."""
     a00, a10 = _x_row_sums(a00, a10, p00, p01, p02, p03, p10, p11, p12, p13, sc0, mn0, sc1, mn1, x_ptr, K, k, km,
-                           dt, FORMAT, ROWS, EVEN_K, C, VEC, EXACT, SYM, QUARTER_XSUM)
+                           dt, FORMAT, ROWS, EVEN_K, C, VEC, EXACT, SYM, QUARTER_XSUM, MMA)
     if XROWS > 1:
         a01, a11 = _x_row_sums(a01, a11, p00, p01, p02, p03, p10, p11, p12, p13, sc0, mn0, sc1, mn1,
                                x_ptr + stride_xm, K, k, km, dt, FORMAT, ROWS, EVEN_K, C, VEC, EXACT, SYM,
-                               QUARTER_XSUM)
+                               QUARTER_XSUM, MMA)
     if XROWS > 2:
         a02, a12 = _x_row_sums(a02, a12, p00, p01, p02, p03, p10, p11, p12, p13, sc0, mn0, sc1, mn1,
                                x_ptr + 2 * stride_xm, K, k, km, dt, FORMAT, ROWS, EVEN_K, C, VEC, EXACT, SYM,
-                               QUARTER_XSUM)
+                               QUARTER_XSUM, MMA)
     if XROWS > 3:
         a03, a13 = _x_row_sums(a03, a13, p00, p01, p02, p03, p10, p11, p12, p13, sc0, mn0, sc1, mn1,
                                x_ptr + 3 * stride_xm, K, k, km, dt, FORMAT, ROWS, EVEN_K, C, VEC, EXACT, SYM,
-                               QUARTER_XSUM)
+                               QUARTER_XSUM, MMA)
     return a00, a01, a02, a03, a10, a11, a12, a13
 
 
@@ -480,7 +501,7 @@ def _x_rows_step(a00, a01, a02, a03, a10, a11, a12, a13, p00, p01, p02, p03, p10
 def _x_rows_step8(a00, a01, a02, a03, a10, a11, a12, a13, b00, b01, b02, b03, b10, b11, b12, b13, w0, sc0, mn0, w1,
                   sc1, mn1, x_ptr, stride_xm, K, k, km, dt: tl.constexpr, FORMAT: tl.constexpr, ROWS: tl.constexpr,
                   XROWS: tl.constexpr, EVEN_K: tl.constexpr, C: tl.constexpr, VEC: tl.constexpr, ASM: tl.constexpr,
-                  EXACT: tl.constexpr, SYM: tl.constexpr, QUARTER_XSUM: tl.constexpr):
+                  EXACT: tl.constexpr, SYM: tl.constexpr, QUARTER_XSUM: tl.constexpr, MMA: tl.constexpr):
     """One K step of _gemv_x_rows_kernel: the step's weights (w0, and w1 when ROWS == 2) converted once,
     then summed against x rows 0-3 (accumulators a) and 4-7 (b) by _x_rows_step."""
     XA: tl.constexpr = 4 if XROWS > 4 else XROWS
@@ -490,12 +511,12 @@ def _x_rows_step8(a00, a01, a02, a03, a10, a11, a12, a13, b00, b01, b02, b03, b1
         p10, p11, p12, p13 = _weight_floats(w1, FORMAT, C, VEC, ASM, EXACT, SYM)
     a00, a01, a02, a03, a10, a11, a12, a13 = _x_rows_step(
         a00, a01, a02, a03, a10, a11, a12, a13, p00, p01, p02, p03, p10, p11, p12, p13, sc0, mn0, sc1, mn1, x_ptr,
-        stride_xm, K, k, km, dt, FORMAT, ROWS, XA, EVEN_K, C, VEC, EXACT, SYM, QUARTER_XSUM)
+        stride_xm, K, k, km, dt, FORMAT, ROWS, XA, EVEN_K, C, VEC, EXACT, SYM, QUARTER_XSUM, MMA)
     if XROWS > 4:
         b00, b01, b02, b03, b10, b11, b12, b13 = _x_rows_step(
             b00, b01, b02, b03, b10, b11, b12, b13, p00, p01, p02, p03, p10, p11, p12, p13, sc0, mn0, sc1, mn1,
             x_ptr + 4 * stride_xm, stride_xm, K, k, km, dt, FORMAT, ROWS, XROWS - 4, EVEN_K, C, VEC, EXACT, SYM,
-            QUARTER_XSUM)
+            QUARTER_XSUM, MMA)
     return a00, a01, a02, a03, a10, a11, a12, a13, b00, b01, b02, b03, b10, b11, b12, b13
 
 
@@ -540,7 +561,7 @@ def _gemv_x_rows_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, par
                         HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr, GROUP_SIZE: tl.constexpr,
                         ROWS: tl.constexpr, XROWS: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
                         RESIDUAL: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr, EXACT: tl.constexpr,
-                        SYM: tl.constexpr, QUARTER_XSUM: tl.constexpr):
+                        SYM: tl.constexpr, QUARTER_XSUM: tl.constexpr, MMA: tl.constexpr):
     """XROWS (1-8) rows of x against ROWS (1 or 2) rows of dense or w8 weights; program (row block, k split).
     The decode GEMV for a few sequences: each weight is loaded and converted once and summed against every
     row of x (XROWS FMAs a weight), where the tiled matmul dequantizes whole tiles for the tensor cores and
@@ -569,7 +590,7 @@ def _gemv_x_rows_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, par
     pdl_begin(PDL)
     a00, a01, a02, a03, a10, a11, a12, a13, b00, b01, b02, b03, b10, b11, b12, b13 = _x_rows_step8(
         a00, a01, a02, a03, a10, a11, a12, a13, b00, b01, b02, b03, b10, b11, b12, b13, w0, sc0, mn0, w1, sc1, mn1,
-        x_ptr, stride_xm, K, k, km, dt, FORMAT, ROWS, XROWS, EVEN_K, C, VEC, ASM, EXACT, SYM, QUARTER_XSUM)
+        x_ptr, stride_xm, K, k, km, dt, FORMAT, ROWS, XROWS, EVEN_K, C, VEC, ASM, EXACT, SYM, QUARTER_XSUM, MMA)
     for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
         k, km, grp, cm = _step_columns(k0, k_hi, col, chunk, GROUP_SIZE)
         w0, sc0, mn0 = _load_row(r0, s0, m0, k, grp, km, cm, FORMAT, EVEN_K, SYM)
@@ -577,7 +598,8 @@ def _gemv_x_rows_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, par
             w1, sc1, mn1 = _load_row(r1, s1, m1, k, grp, km, cm, FORMAT, EVEN_K, SYM)
         a00, a01, a02, a03, a10, a11, a12, a13, b00, b01, b02, b03, b10, b11, b12, b13 = _x_rows_step8(
             a00, a01, a02, a03, a10, a11, a12, a13, b00, b01, b02, b03, b10, b11, b12, b13, w0, sc0, mn0, w1, sc1,
-            mn1, x_ptr, stride_xm, K, k, km, dt, FORMAT, ROWS, XROWS, EVEN_K, C, VEC, ASM, EXACT, SYM, QUARTER_XSUM)
+            mn1, x_ptr, stride_xm, K, k, km, dt, FORMAT, ROWS, XROWS, EVEN_K, C, VEC, ASM, EXACT, SYM, QUARTER_XSUM,
+            MMA)
     XA: tl.constexpr = 4 if XROWS > 4 else XROWS
     _x_rows_store(a00, a01, a02, a03, a10, a11, a12, a13, 0, n, N, pid_k, M, out_ptr, part_ptr, bias, res_ptr,
                   stride_om, stride_rm, XA, HAS_BIAS, SPLIT, RESIDUAL)
@@ -911,29 +933,13 @@ def _load_chunks(w_tile, s_rows, m_rows, k0, k_hi, ci, GROUP_SIZE: tl.constexpr,
 
 
 @triton.jit
-def _relabelled_columns(k):
-    """The column of a 64-column step that the dot's column k takes under _relabel_k: k = 16a + 8b + 2c + d
-    (a < 4, c < 4, b, d < 2) reads column 16c + 4a + 2b + d."""
-    return 16 * ((k // 2) % 4) + 4 * (k // 16) + 2 * ((k // 8) % 2) + k % 2
-
-
-@triton.jit
-def _relabel_k(w, BLOCK_N: tl.constexpr):
-    """A [BLOCK_N, 64] weight step with its columns reordered as _relabelled_columns gives x's: Hopper's register
-    operand has a thread hold columns 2c + d (+ 8b) of each 16-column MMA, so the thread that holds dot columns
-    of one c over a, b and d holds 16 consecutive stored columns, and reads them from shared memory as one
-    16-byte word instead of eight 2-byte ones. The dot's sum over k is the same in any column order."""
-    return tl.reshape(tl.permute(tl.reshape(w, (BLOCK_N, 4, 4, 2, 2)), (0, 2, 3, 1, 4)), (BLOCK_N, 64))
-
-
-@triton.jit
 def _matmul_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr, res_ptr, M, N, K,
                    k_per_split, stride_xm, stride_wn, stride_sn, stride_om, stride_rm,
                    FORMAT: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
                    GROUP_SIZE: tl.constexpr, ROW_GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, RESIDUAL: tl.constexpr,
                    SWAP: tl.constexpr, PREFETCH: tl.constexpr, SYM: tl.constexpr, PDL: tl.constexpr,
-                   ASM: tl.constexpr, PART_EVICT: tl.constexpr, RELABEL_K: tl.constexpr = False):
+                   ASM: tl.constexpr, PART_EVICT: tl.constexpr, MMA: tl.constexpr):
     """x [M, K] @ W^T with W dequantized per tile to x's dtype; program (output tile, k split).
     Grouped w8: tiles of 32-weight chunks, one scale and minimum each (SYM: w = (q - 128) * scale). SWAP: the dot is
     W_tile @ x_tile^T, so the dequantized weights (already in registers) are its first operand, which
@@ -941,7 +947,8 @@ def _matmul_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr
     weight tile makes a round trip through shared memory each step). PREFETCH: the next step's weight
     tile is loaded before this step's dot (by hand: the pipeliner does not stage loads that are not
     dot operands). w8 whose row is one group (ROW_GROUP): the float32 dot of the raw q, scaled once at
-    the end. PART_EVICT: the split partials' L2 eviction policy."""
+    the end. PART_EVICT: the split partials' L2 eviction policy. MMA: grouped w8 stored in the MMA order
+    (kernels/weights.py), its tiles put back in column order after the conversion (_natural_columns)."""
     pdl_begin(PDL)
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -1031,15 +1038,13 @@ def _matmul_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr
                 acc += tl.dot(xo, tl.trans(hi))
     elif FORMAT == 1 and not ROW_GROUP:
         ci = tl.arange(0, BLOCK_K // 32)  # 32-weight chunks, one scale and minimum each
-        relabel: tl.constexpr = RELABEL_K and SWAP and BLOCK_K == 64  # _relabel_k's steps are 64 columns
         w_tile = w_ptr + rn64[:, None, None] * stride_wn + (ci[:, None] * 32 + tl.arange(0, 32)[None, :])[None, :, :]
         s_rows = scale_ptr + rn64[:, None] * stride_sn
         m_rows = min_ptr + rn64[:, None] * stride_sn
         kx = tl.arange(0, BLOCK_K)
         if SWAP:
             acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-            kx_read = _relabelled_columns(kx) if relabel else kx  # the column of x each dot column reads
-            x_tile = x_ptr + rm_ld.to(tl.int64)[None, :] * stride_xm + kx_read[:, None]
+            x_tile = x_ptr + rm_ld.to(tl.int64)[None, :] * stride_xm + kx[:, None]
         else:
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             x_tile = x_rows + kx[None, :]
@@ -1054,7 +1059,7 @@ def _matmul_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr
             if EVEN_K:
                 xt = tl.load(x_tile + k0)
             elif SWAP:
-                xt = tl.load(x_tile + k0, mask=(k0 + kx_read[:, None]) < k_hi, other=0.0)
+                xt = tl.load(x_tile + k0, mask=(k0 + kx[:, None]) < k_hi, other=0.0)
             else:
                 xt = tl.load(x_tile + k0, mask=(k0 + kx[None, :]) < k_hi, other=0.0)
             # q * scale + minimum (SYM: (q - 128) * scale) in float32, rounded once
@@ -1076,11 +1081,13 @@ def _matmul_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr, part_ptr
                     q = small_uint_to_f32(b.to(tl.int32))
                 w = q * s3 + m3
             wt = tl.reshape(w.to(dt), (BLOCK_N, BLOCK_K))
-            if relabel:
-                wt = _relabel_k(wt, BLOCK_N)
             if SWAP:
+                if MMA:
+                    wt = _natural_columns(wt, BLOCK_N, BLOCK_K)
                 acc += tl.dot(wt, xt)
             else:
+                if MMA:  # x to the weights' order: the weight tile goes through shared memory as it is
+                    xt = _mma_order_columns(xt, BLOCK_M, BLOCK_K)
                 acc += tl.dot(xt, tl.trans(wt))
             if PREFETCH:
                 b = b_next
@@ -1198,9 +1205,7 @@ class LinearConfig:
     Matmul: block_m x block_n tiles over block_k. split: K splits. swap, prefetch: the grouped w8
     matmul's forms (_matmul_kernel); other weights ignore them. asm_dequant: the grouped w8 matmul's bytes
     to floats by inline PTX (on a GPU that takes it; the interpreter never does). max_registers: a cap on
-    the registers a thread (ptxas' maxnreg), so that an SM keeps more of a launch's programs. relabel_k: the grouped
-    w8 swap matmul's 64-column steps with columns in the register operand's order (_relabel_k; measured slower,
-    docs/BENCHMARKS.md session 37, so no launch rule sets it)."""
+    the registers a thread (ptxas' maxnreg), so that an SM keeps more of a launch's programs."""
 
     kind: str  # "gemv" | "matmul" | "torch"
     block_m: int = 16
@@ -1213,7 +1218,6 @@ class LinearConfig:
     prefetch: bool = False
     asm_dequant: bool = False
     max_registers: int | None = None
-    relabel_k: bool = False
 
 
 _SM_COUNT: dict[int, int] = {}
@@ -1394,7 +1398,9 @@ SHORT_K = 1536
 SUM_FUSES_MAX_HIDDEN = 1024
 LONG_ROW_GEMV_WARPS = 2  # warps a program of the one-row GEMVs of long rows in 2049-8192 rows (choose_config)
 LARGE_GEMV_W4_WARPS = 2  # and of the one-row w4 GEMVs of more than 8192 rows (choose_config)
-LARGE_GEMV_W8_MAX_REGISTERS = 104  # ptxas cap on the one-row w8 GEMVs of 4096-column steps (choose_config)
+# ptxas cap on the one-row w8 GEMVs of 4096-column steps (choose_config): 104 kept 5 programs an SM in column order;
+# the MMA order's x permutation holds 101 there (4 an SM), 96 keeps 5 without spills (sm_90 SASS, Triton 3.9)
+LARGE_GEMV_W8_MAX_REGISTERS = 96
 LARGE_GEMV_W4_MAX_REGISTERS = 80  # the same on the one-row w4 GEMVs of more than 8192 rows, over 2 warps
 X_ROWS_PER_LAUNCH = 8  # rows of x one _gemv_x_rows_kernel launch takes (at most 8)
 X_ROWS_PER_LAUNCH_W4 = 4  # and one _gemv_w4_x_rows_kernel launch (at most 4)
@@ -1491,7 +1497,7 @@ def _gemv_x_rows(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, minim
         _gemv_x_rows_kernel[grid](
             x, data, scale, minimum, bias, out, part, resid, m, n, k, per, x.stride(0), data.stride(0),
             scale.stride(0) if fmt else 0, out.stride(0), resid.stride(0), FORMAT=fmt, BLOCK_K=step,
-            VEC=16 // data.element_size(), SYM=sym, QUARTER_XSUM=quarter_xsum(k), **common)
+            VEC=16 // data.element_size(), SYM=sym, QUARTER_XSUM=quarter_xsum(k), MMA=w.mma_order, **common)
     if split > 1:
         _sum_splits(part, bias, resid, out, split, w.bias is not None, res is not None, gated=gated, norm=norm)
 
@@ -1635,7 +1641,7 @@ def _linear(x: torch.Tensor, w: LinearWeight, config: LinearConfig | None, out_d
                 HAS_BIAS=w.bias is not None, SPLIT=split > 1, EVEN_K=even_k, GROUP_SIZE=max(w.group_size, 1),
                 ROWS=rows_per_program, BLOCK_K=block_k,
                 VEC=16 // data.element_size(), RESIDUAL=res2 is not None, **fused, ASM=asm_conversions(x.device),
-                EXACT=exact, SYM=sym, QUARTER_XSUM=quarter_xsum(k), num_warps=cfg.num_warps,
+                EXACT=exact, SYM=sym, QUARTER_XSUM=quarter_xsum(k), MMA=w.mma_order, num_warps=cfg.num_warps,
                 num_stages=cfg.num_stages, **cap, **pdl_launch(x.device))
         else:
             # one tile of rows (decode batches): the split partials are marked to stay in the L2 for the sum, which
@@ -1643,16 +1649,18 @@ def _linear(x: torch.Tensor, w: LinearWeight, config: LinearConfig | None, out_d
             # 32,718 -> 33,107 tok/s, SmolLM2 42,517 -> 43,066, 1B w4 26,543 -> 26,875; 8B +0.2-0.8%)
             stream = m <= cfg.block_m
             tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+            swap = cfg.swap and fmt in (1, 2) and not row_group
+            # the swap form converts bytes by one prmt each (magic_u8_f32_asm) where the MMA order has its 4 bytes in
+            # one register; in column order they come two at a time and are repacked first (session 36)
             _matmul_kernel[(tiles, split)](
                 x2, data, scale, minimum, bias, out, part, res, m, n, k, per,
                 x2.stride(0), data.stride(0), scale.stride(0) if fmt else 0, out.stride(0), res.stride(0),
                 FORMAT=fmt, HAS_BIAS=w.bias is not None, SPLIT=split > 1, EVEN_K=even_k,
                 GROUP_SIZE=max(w.group_size, 1), ROW_GROUP=row_group, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                 BLOCK_K=block_k, GROUP_M=8, RESIDUAL=res2 is not None,
-                SWAP=cfg.swap and fmt in (1, 2) and not row_group, PREFETCH=cfg.prefetch and fmt == 1 and not row_group,
-                SYM=sym, ASM=cfg.asm_dequant and fmt == 1 and asm_conversions(x.device),
-                PART_EVICT="evict_last" if stream else "",
-                RELABEL_K=cfg.relabel_k,
+                SWAP=swap, PREFETCH=cfg.prefetch and fmt == 1 and not row_group,
+                SYM=sym, ASM=fmt == 1 and (cfg.asm_dequant or (w.mma_order and swap)) and asm_conversions(x.device),
+                PART_EVICT="evict_last" if stream else "", MMA=w.mma_order,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages, **cap, **pdl_launch(x.device))
             if split > 1:
                 norm = None if normed is None else NormAfter(norm_after[0], norm_after[1], normed)

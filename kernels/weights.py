@@ -33,7 +33,9 @@ class LinearWeight:
       ``[out, in // group_size]``; w = q * scale + minimum (a requantized Q4_0/Q4_1 group almost
       exactly), or symmetric with ``minimum`` None: w = (q - 128) * scale (GGUF Q8_0 exactly, q + 128
       and scale = d; float weights quantized as Q8_0 does: 2 bytes fewer a group of 32 to read).
-      group_size is W8_GROUP_SIZE, or in_features (see `w8_group_size`).
+      group_size is W8_GROUP_SIZE, or in_features (see `w8_group_size`). ``mma_order``: the bytes of every
+      16 columns stored in the order Hopper's tensor-core register operand reads them (`to_mma_order`:
+      MMA_COLUMNS); every kernel reads either order, `dequantize` gives the natural one.
     - ``w4``: ``data`` is uint8 ``[out, in // 2]``, column 2j in the low nibble and 2j+1 in the
       high nibble, q in 0..15; ``scale`` and ``minimum`` are ``[out, in // group_size]``;
       w = q * scale + minimum (GGUF Q4_1 exactly; Q4_0 is scale=d, minimum=-8d).
@@ -46,10 +48,13 @@ class LinearWeight:
     minimum: torch.Tensor | None = None
     group_size: int = 0
     bias: torch.Tensor | None = None
+    mma_order: bool = False
 
     def __post_init__(self) -> None:
         if self.format == "w4" and self.minimum is None:  # only w8 has a symmetric form
             raise ValueError("a w4 weight needs its minimums")
+        if self.mma_order and not mma_order_fits(self):
+            raise ValueError("only w8 in groups of 16-column blocks, several a row, is stored in the MMA order")
 
     @property
     def out_features(self) -> int:
@@ -69,7 +74,7 @@ class LinearWeight:
             return None if t is None else t.to(device)
 
         return LinearWeight(self.format, move(self.data), move(self.scale), move(self.minimum),
-                            self.group_size, move(self.bias))
+                            self.group_size, move(self.bias), self.mma_order)
 
     def astype(self, dtype: torch.dtype) -> "LinearWeight":
         """The same weight with dense data and bias in the activation dtype; packed integers, scales and
@@ -77,7 +82,44 @@ class LinearWeight:
         def cast(t: torch.Tensor | None) -> torch.Tensor | None:
             return t if t is None or not t.is_floating_point() else t.to(dtype)
 
-        return LinearWeight(self.format, cast(self.data), self.scale, self.minimum, self.group_size, cast(self.bias))
+        return LinearWeight(self.format, cast(self.data), self.scale, self.minimum, self.group_size, cast(self.bias),
+                            self.mma_order)
+
+
+# Hopper's wgmma takes its first operand from registers, a thread holding columns 2c, 2c + 1, 2c + 8 and 2c + 9 of
+# each 16 (c < 4). Stored position 4c + 2b + d holds column 8b + 2c + d, so those 4 bytes lie together and the
+# batched w8 matmul reads them from shared memory by ldmatrix instead of two bytes at a time (docs/BENCHMARKS.md,
+# session 38). A 16-column block lies inside one group, so each block keeps its scale.
+MMA_COLUMNS = (0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15)
+_NATURAL_COLUMNS = tuple(sorted(range(16), key=MMA_COLUMNS.__getitem__))
+
+
+def mma_order_fits(w: LinearWeight) -> bool:
+    """Whether w can be stored in the MMA order: w8 in groups of whole 16-column blocks, more than one a row (rows
+    of one group take another kernel path; w4 packs two columns a byte)."""
+    return w.format == "w8" and w.group_size % 16 == 0 and w.group_size < w.in_features
+
+
+def _reorder_columns(data: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:
+    out, k = data.shape
+    index = torch.tensor(order, device=data.device)
+    return data.view(out, k // 16, 16).index_select(2, index).reshape(out, k).contiguous()
+
+
+def to_mma_order(w: LinearWeight) -> LinearWeight:
+    """w with its bytes in the MMA order (MMA_COLUMNS), where it fits (mma_order_fits); else w."""
+    if w.mma_order or not mma_order_fits(w):
+        return w
+    return LinearWeight(w.format, _reorder_columns(w.data, MMA_COLUMNS), w.scale, w.minimum, w.group_size, w.bias,
+                        True)
+
+
+def natural_order(w: LinearWeight) -> LinearWeight:
+    """w with its bytes in column order."""
+    if not w.mma_order:
+        return w
+    return LinearWeight(w.format, _reorder_columns(w.data, _NATURAL_COLUMNS), w.scale, w.minimum, w.group_size,
+                        w.bias)
 
 
 def group_minimums(w: LinearWeight) -> torch.Tensor:
@@ -93,6 +135,7 @@ def dequantize(w: LinearWeight, dtype: torch.dtype = torch.float32) -> torch.Ten
     if w.format == "dense":
         return w.data.to(dtype)
     if w.format in ("w8", "w4"):
+        w = natural_order(w)
         if w.format == "w8":
             q = w.data.to(torch.float32)
         else:
@@ -162,6 +205,9 @@ def concat_out(weights: list[LinearWeight]) -> LinearWeight:
     first = weights[0]
     if any(w.format != first.format or w.group_size != first.group_size for w in weights):
         raise ValueError("cannot fuse weights of different formats")
+    if any(w.mma_order != first.mma_order for w in weights):
+        weights = [natural_order(w) for w in weights]
+        first = weights[0]
 
     def cat(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
         return None if parts[0] is None else torch.cat(parts, dim=0)
@@ -175,4 +221,4 @@ def concat_out(weights: list[LinearWeight]) -> LinearWeight:
         biases = [b if b is not None else torch.zeros(w.out_features, dtype=first.data.dtype)
                   for b, w in zip(biases, weights)]
     return LinearWeight(first.format, cat([w.data for w in weights]), cat([w.scale for w in weights]),
-                        cat(minimums), first.group_size, cat(biases))
+                        cat(minimums), first.group_size, cat(biases), first.mma_order)

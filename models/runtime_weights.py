@@ -10,7 +10,7 @@ import os
 
 import torch
 
-from edged.kernels import LinearWeight, concat_out, dequantize, quantize_w4, quantize_w8
+from edged.kernels import LinearWeight, concat_out, dequantize, quantize_w4, quantize_w8, to_mma_order
 from edged.kernels import cpu as cpu_kernels
 
 from .config import ModelConfig
@@ -51,10 +51,12 @@ def to_runtime_linear(src: torch.Tensor | LinearWeight, bias: torch.Tensor | Non
 
 
 def prepacked(w: LinearWeight) -> LinearWeight:
-    """w with the CPU kernels' layout attached (built once here, not at the first request), unless
-    the reference kernels are forced."""
+    """w in its device kernels' layout, made once here: the CPU kernels' attached (unless the reference kernels
+    are forced), on CUDA grouped w8 in the MMA order (to_mma_order)."""
     if w.data.device.type == "cpu" and os.environ.get("EDGED_KERNELS", "auto") != "reference":
         return cpu_kernels.prepack(w)
+    if w.data.device.type == "cuda":
+        return to_mma_order(w)
     return w
 
 

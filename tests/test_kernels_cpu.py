@@ -12,7 +12,8 @@ import os
 import pytest
 import torch
 
-from edged.kernels import LinearWeight, cpu, cpu_native, dequantize, pack_w4, quantize_w4, quantize_w8, reference
+from edged.kernels import (LinearWeight, concat_out, cpu, cpu_native, dequantize, natural_order, pack_w4, quantize_w4,
+                           quantize_w8, reference, to_mma_order)
 from edged.models.batch import KVCache
 from edged.models.loader import LoadedModel
 from edged.models.runtime_weights import build_weights
@@ -421,3 +422,34 @@ def test_bench_decode_cpu_table_reports_the_ratios_the_issue_asks_for() -> None:
                         {"model": None, "threads": 2, "prompt_tokens": 128, "context": 32, "steps": 64, "repeat": 3})
     assert "edged batch 8 / batch 1 aggregate tok/s: 3.00x" in text
     assert "edged / llama.cpp: batch-1 decode 0.50x, prefill 0.50x" in text
+
+
+def test_w8_in_the_mma_order_holds_the_same_weights_and_every_reader_gets_them_back() -> None:
+    """to_mma_order stores each 16 columns' bytes as Hopper's register operand reads them (position 4c + 2b + d holds
+    column 8b + 2c + d): the bytes move, the weights do not. dequantize, the CPU kernels and concat_out give what
+    column order gives; rows of one group (another kernel path) and w4 stay as they are, and a weight marked so
+    that cannot be is refused."""
+    torch.manual_seed(11)
+    for symmetric in (True, False):
+        w = quantize_w8(torch.randn(40, 96), torch.randn(40), symmetric=symmetric)
+        mma = to_mma_order(w)
+        assert mma.mma_order and not torch.equal(mma.data, w.data)
+        blocks, stored = w.data.view(40, 6, 16), mma.data.view(40, 6, 16)
+        for c in range(4):
+            for b in range(2):
+                for d in range(2):
+                    assert torch.equal(stored[:, :, 4 * c + 2 * b + d], blocks[:, :, 8 * b + 2 * c + d])
+        assert torch.equal(dequantize(mma), dequantize(w))
+        assert torch.equal(natural_order(mma).data, w.data) and not natural_order(mma).mma_order
+        x = torch.randn(3, 96)
+        assert torch.equal(cpu.linear(x, mma), cpu.linear(x, w))
+        fused = concat_out([mma, to_mma_order(quantize_w8(torch.randn(8, 96), symmetric=symmetric))])
+        assert fused.mma_order and torch.equal(dequantize(fused)[:40], dequantize(w))
+        mixed = concat_out([mma, w])
+        assert not mixed.mma_order and torch.equal(dequantize(mixed)[40:], dequantize(w))
+    one_group = quantize_w8(torch.randn(4, 48))  # 48 columns: one group a row
+    assert one_group.group_size == 48 and to_mma_order(one_group) is one_group
+    w4 = quantize_w4(torch.randn(4, 64))
+    assert to_mma_order(w4) is w4
+    with pytest.raises(ValueError, match="MMA order"):
+        LinearWeight("w8", one_group.data, one_group.scale, None, 48, mma_order=True)

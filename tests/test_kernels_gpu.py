@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from edged.kernels import reference
-from edged.kernels.weights import LinearWeight, dequantize, quantize_w4, quantize_w8  # noqa: F401
+from edged.kernels.weights import LinearWeight, dequantize, quantize_w4, quantize_w8, to_mma_order  # noqa: F401
 
 from edged.kernels import triton_attention as tattn
 from edged.kernels import triton_linear as tlin
@@ -61,7 +61,7 @@ SHAPES = [(4096, 14336), (14336, 4096), (2048, 8192)]  # (out, in): Llama-3-8B d
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("fmt", ["dense", "w8", "w8sym", "w4"])
+@pytest.mark.parametrize("fmt", ["dense", "w8", "w8sym", "w4", "w8sym+mma"])
 @pytest.mark.parametrize("n,k", SHAPES)
 def test_linear_real_shapes(n: int, k: int, fmt: str, dtype: torch.dtype) -> None:
     w = make_weight(fmt, n, k, dtype, bias=(n == 2048), group=32 if k != 8192 else 128, seed=n + k)
@@ -100,7 +100,7 @@ def test_w4_tensor_core_gemv_ptx_pairs_equal_the_reference(n: int, k: int, group
     assert rel_err(got - res, want) < REL[torch.bfloat16]
 
 
-@pytest.mark.parametrize("fmt", ["dense", "w8", "w8sym", "w4"])
+@pytest.mark.parametrize("fmt", ["dense", "w8", "w8sym", "w4", "w8sym+mma"])
 def test_linear_gemv_variants(fmt: str) -> None:
     """Every GEMV shape of program the sweeps consider, on a ragged N, with K splits."""
     w = make_weight(fmt, 4099, 14336, torch.bfloat16, bias=True, seed=7)
@@ -113,7 +113,7 @@ def test_linear_gemv_variants(fmt: str) -> None:
                 assert rel_err(tlin.linear(x, w, cfg), want) < REL[torch.bfloat16], (rows, block_k, split, warps)
 
 
-@pytest.mark.parametrize("fmt", ["w8", "w8sym", "w4"])
+@pytest.mark.parametrize("fmt", ["w8", "w8sym", "w4", "w8sym+mma"])
 @pytest.mark.parametrize("n,k", [(28672, 4096), (4096, 14336)])
 def test_a_register_cap_leaves_the_decode_gemv_bit_for_bit(n: int, k: int, fmt: str) -> None:
     """LinearConfig.max_registers (ptxas' maxnreg) at the 8B's gate_up and down, with the residual: the same
@@ -128,7 +128,7 @@ def test_a_register_cap_leaves_the_decode_gemv_bit_for_bit(n: int, k: int, fmt: 
         assert torch.equal(tlin.linear(x, w, replace(cfg, max_registers=cap), residual=res), want), cap
 
 
-@pytest.mark.parametrize("fmt", ["w8", "w8sym", "w4"])
+@pytest.mark.parametrize("fmt", ["w8", "w8sym", "w4", "w8sym+mma"])
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336), (4099, 2048), (960, 576), (576, 1536)])
 def test_gemv_of_several_x_rows_at_real_shapes_gives_the_single_row_gemvs_bits(n: int, k: int, fmt: str) -> None:
     """A few sequences of grouped w8 or w4 through the GEMV of several x rows (the launch choose_config gives 2
@@ -149,7 +149,7 @@ def test_gemv_of_several_x_rows_at_real_shapes_gives_the_single_row_gemvs_bits(n
         assert rel_err(got, ref_linear(x, w).float() + res.float()) < REL[torch.bfloat16], m
 
 
-@pytest.mark.parametrize("fmt", ["w8", "w8sym", "w4"])
+@pytest.mark.parametrize("fmt", ["w8", "w8sym", "w4", "w8sym+mma"])
 @pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (6144, 4096), (4096, 14336)])
 def test_decode_batches_through_the_launch_rule_match_the_reference(n: int, k: int, fmt: str) -> None:
     """Decode batches (M = 2-64) at SmolLM2's short rows and the 8B's long ones, through whatever form
@@ -171,7 +171,7 @@ def test_decode_batches_through_the_launch_rule_match_the_reference(n: int, k: i
         assert (("matmul", False, True) in kinds) == (k > tlin.SHORT_K), kinds
 
 
-@pytest.mark.parametrize("fmt", ["w8", "w8sym", "w4"])
+@pytest.mark.parametrize("fmt", ["w8", "w8sym", "w4", "w8sym+mma"])
 @pytest.mark.parametrize("hidden,inter", [(576, 1536), (2048, 8192), (4096, 14336)])
 def test_decode_batches_sum_their_splits_into_the_norm_after_and_the_gate_bit_for_bit(hidden: int, inter: int,
                                                                                      fmt: str) -> None:
@@ -206,27 +206,25 @@ def test_decode_batches_sum_their_splits_into_the_norm_after_and_the_gate_bit_fo
     assert (("norm", 64) in fused) == (hidden <= tlin.SUM_FUSES_MAX_HIDDEN), fused
 
 
-MATMUL_FORMS = [  # (swap, prefetch, block_n, block_k, split, asm_dequant, relabel_k): every form the sweeps consider
-    (True, False, 128, 64, 3, False, False), (True, True, 128, 64, 1, False, False),
-    (True, False, 64, 64, 2, False, False), (False, True, 64, 128, 5, False, False),
-    (False, False, 64, 128, 1, False, False), (True, False, 128, 64, 3, True, False),
-    (False, False, 128, 64, 2, True, False), (False, True, 64, 128, 1, True, False),
-    (True, False, 128, 64, 3, False, True), (True, False, 64, 64, 1, True, True)]
+MATMUL_FORMS = [  # (swap, prefetch, block_n, block_k, split, asm_dequant): every form the sweeps consider
+    (True, False, 128, 64, 3, False), (True, True, 128, 64, 1, False), (True, False, 64, 64, 2, False),
+    (False, True, 64, 128, 5, False), (False, False, 64, 128, 1, False), (True, False, 128, 64, 3, True),
+    (False, False, 128, 64, 2, True), (False, True, 64, 128, 1, True)]
 
 
-@pytest.mark.parametrize("fmt", ["w8", "w8sym", "w4"])
+@pytest.mark.parametrize("fmt", ["w8", "w8sym", "w4", "w8+mma", "w8sym+mma"])
 def test_linear_matmul_variants(fmt: str) -> None:
     """Every form of the batched (M = 2-64) grouped w8 and w4 matmul the sweeps consider (w4: the swap form
-    or not; prefetch and bytes to floats by PTX are w8's), on a ragged N, with K splits, fused residual and
-    bias: each equal to the reference within bfloat16's error."""
+    or not; prefetch and bytes to floats by PTX are w8's; w8 in the MMA order, as a model's are on a GPU, too),
+    on a ragged N, with K splits, fused residual and bias: each equal to the reference within bfloat16's error."""
     w = make_weight(fmt, 4099, 14336, torch.bfloat16, bias=True, seed=8)
     for m in (3, 16, 40, 64):
         x = torch.randn(m, 14336, device=DEV).bfloat16()
         res = torch.randn(m, 4099, device=DEV).bfloat16()
         want = ref_linear(x, w)
-        for swap, prefetch, block_n, block_k, split, asm, relabel in MATMUL_FORMS:
+        for swap, prefetch, block_n, block_k, split, asm in MATMUL_FORMS:
             cfg = tlin.LinearConfig("matmul", 16 if m <= 16 else 64, block_n, block_k, split, swap=swap,
-                                    prefetch=prefetch, asm_dequant=asm, relabel_k=relabel)
+                                    prefetch=prefetch, asm_dequant=asm)
             assert rel_err(tlin.linear(x, w, cfg), want) < REL[torch.bfloat16], (m, cfg)
             got = tlin.linear(x, w, cfg, residual=res)
             assert rel_err(got, (want.float() + res.float())) < REL[torch.bfloat16], (m, cfg)
@@ -237,19 +235,20 @@ def test_batched_w8_matmul_rounds_each_weight_once_to_the_activation_dtype(fmt: 
     """Rows of x that each pick one column read the dequantized weights back through every form of the
     batched grouped w8 matmul: each equals the exact weight rounded once to bfloat16, bit for bit (the
     one-FMA forms of q * scale + minimum, symmetric w8's (32768 + q) * s - 32896 * s from PTX's bytes included,
-    round nowhere else). Rows of scales from 1e-6 to 10."""
+    round nowhere else), in column order and in the MMA order. Rows of scales from 1e-6 to 10."""
     n, k = 1031, 1024
     g = torch.Generator(device=DEV).manual_seed(5)
     dense = torch.randn(n, k, device=DEV, generator=g) * 10 ** (torch.rand(n, 1, device=DEV, generator=g) * 7 - 6)
     w = quantize_w8(dense, symmetric=fmt == "w8sym").astype(torch.bfloat16)
     want = dequantize(w, torch.float32).to(torch.bfloat16).float().T  # [k, n]: column j's weights
     eye = torch.eye(k, device=DEV, dtype=torch.bfloat16)
-    for swap, prefetch, block_n, block_k, split, asm, relabel in MATMUL_FORMS:
-        cfg = tlin.LinearConfig("matmul", 64, block_n, block_k, split, swap=swap, prefetch=prefetch,
-                                asm_dequant=asm, relabel_k=relabel)
-        for first in range(0, k, 64):
-            got = tlin.linear(eye[first:first + 64], w, cfg, out_dtype=torch.float32)
-            assert torch.equal(got, want[first:first + 64]), (cfg, first)
+    for weight in (w, to_mma_order(w)):
+        for swap, prefetch, block_n, block_k, split, asm in MATMUL_FORMS:
+            cfg = tlin.LinearConfig("matmul", 64, block_n, block_k, split, swap=swap, prefetch=prefetch,
+                                    asm_dequant=asm)
+            for first in range(0, k, 64):
+                got = tlin.linear(eye[first:first + 64], weight, cfg, out_dtype=torch.float32)
+                assert torch.equal(got, want[first:first + 64]), (cfg, weight.mma_order, first)
 
 
 @pytest.mark.parametrize("fmt", ["w8", "w4"])
@@ -265,7 +264,7 @@ def test_linear_of_prompt_steps_with_the_chosen_launch(fmt: str) -> None:
             assert rel_err(tlin.linear(x, w), ref_linear(x, w)) < REL[torch.bfloat16], (m, n, cfg)
 
 
-@pytest.mark.parametrize("fmt", ["w8", "w8sym", "w4"])
+@pytest.mark.parametrize("fmt", ["w8", "w8sym", "w4", "w8sym+mma"])
 def test_gemv_inline_ptx_conversions_give_the_portable_kernels_result_bit_for_bit(fmt: str, monkeypatch) -> None:
     """The prmt conversions of sm_80+ (triton_convert's *_asm) and the portable ones the interpreter
     runs produce the same floats, so the decode GEMV's result is identical, fused forms included."""
@@ -347,7 +346,7 @@ def test_linear_is_deterministic() -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("fmt", ["dense", "w8", "w4"])
+@pytest.mark.parametrize("fmt", ["dense", "w8", "w4", "w8sym+mma"])
 @pytest.mark.parametrize("rows", [1, 8])
 @pytest.mark.parametrize("n,k", [(576, 1536), (2048, 8192), (4096, 4096)])
 def test_linear_fused_forms(n: int, k: int, rows: int, fmt: str, dtype: torch.dtype) -> None:

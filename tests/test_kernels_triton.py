@@ -122,11 +122,11 @@ def _as_f32(w: LinearWeight) -> LinearWeight:
     def f(t):
         return None if t is None else (t.to(torch.float32) if t.is_floating_point() else t)
 
-    return LinearWeight(w.format, f(w.data), f(w.scale), f(w.minimum), w.group_size, f(w.bias))
+    return LinearWeight(w.format, f(w.data), f(w.scale), f(w.minimum), w.group_size, f(w.bias), w.mma_order)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("fmt", ["dense", "w8", "w8sym", "w4"])
+@pytest.mark.parametrize("fmt", ["dense", "w8", "w8sym", "w4", "w8sym+mma"])
 @pytest.mark.parametrize("m", [1, 5, 40])
 def test_linear_formats(fmt: str, m: int, dtype: torch.dtype) -> None:
     torch.manual_seed(m)
@@ -269,11 +269,11 @@ def test_gemv_constants_taken_off_once_a_chunk_cost_under_2_to_the_minus_16_of_t
 
 
 @pytest.mark.parametrize("swap,prefetch", [(False, False), (True, False), (False, True), (True, True)])
-@pytest.mark.parametrize("fmt", ["dense", "w8", "w8sym", "w4"])
+@pytest.mark.parametrize("fmt", ["dense", "w8", "w8sym", "w4", "w8+mma", "w8sym+mma"])
 def test_linear_matmul_split_and_3d(fmt: str, swap: bool, prefetch: bool) -> None:
     """Every form of the batched matmul (grouped w8 and w4: weights as the dots' first operands; grouped w8:
-    the next weight tile loaded ahead; dense ignores both), split over K or not, ragged K (192 = 1.5 steps
-    of 128), leading dims and strided rows."""
+    the next weight tile loaded ahead; dense ignores both; grouped w8 stored in the MMA order too), split over K
+    or not, ragged K (192 = 1.5 steps of 128), leading dims and strided rows."""
     torch.manual_seed(1)
     w = _weight(fmt, 48, 192, torch.float16, bias=True, group=64)
     forms = dict(swap=swap, prefetch=prefetch)
@@ -281,19 +281,6 @@ def test_linear_matmul_split_and_3d(fmt: str, swap: bool, prefetch: bool) -> Non
     _check_linear(x, w, tlin.LinearConfig("matmul", 16, 32, 64, split=2, **forms))
     xs = torch.randn(3, 400).to(torch.float16)[:, :192]  # strided rows
     _check_linear(xs, w, tlin.LinearConfig("matmul", 16, 32, 128, split=1, **forms))
-
-
-@pytest.mark.parametrize("fmt", ["w8", "w8sym"])
-def test_swap_matmul_with_relabelled_columns_sums_the_same_products(fmt: str) -> None:
-    """The grouped w8 swap matmul whose 64-column steps take the weights' columns in the register operand's order
-    and x's in the same order (relabel_k): the reference's result, split over K or not, on a ragged K (192 = 3
-    steps, split 2 takes a step and a half's chunks apart) with leading dims and strided rows."""
-    torch.manual_seed(1)
-    w = _weight(fmt, 48, 192, torch.float16, bias=True, group=64)
-    x = torch.randn(2, 9, 192).to(torch.float16)
-    _check_linear(x, w, tlin.LinearConfig("matmul", 16, 32, 64, split=2, swap=True, relabel_k=True))
-    xs = torch.randn(3, 400).to(torch.float16)[:, :192]
-    _check_linear(xs, w, tlin.LinearConfig("matmul", 16, 32, 64, split=1, swap=True, relabel_k=True))
 
 
 @pytest.mark.parametrize("fmt", ["w8", "w8sym"])
@@ -339,7 +326,13 @@ _GEMV, _MATMUL = ("gemv", 1, 4, 32, 3), ("matmul", 16, 32, 32, 2)
                          + [(fmt, "residual", torch.float16, 6, _MATMUL + (True, True)) for fmt in ("w8", "w4")]
                          # symmetric w8 (GGUF Q8_0, no minimums) in the GEMV's fused forms and the batched matmul
                          + [("w8sym", form, torch.float16, 1, _GEMV) for form in ("norm+silu out", "silu+residual")]
-                         + [("w8sym", "residual", torch.float16, 6, _MATMUL + (True, True))])
+                         + [("w8sym", "residual", torch.float16, 6, _MATMUL + (True, True))]
+                         # w8 in the MMA order: x put in the weights' order after the fused prologue (GEMV), the
+                         # weight tile put back in column order (swap form) or x in the weights' (plain form)
+                         + [("w8sym+mma", form, torch.float16, 1, _GEMV) for form in ("norm+silu out", "silu+residual")]
+                         + [("w8+mma", "norm", torch.float32, 1, ("gemv", 1, 4, 128, 1))]
+                         + [("w8sym+mma", "residual", torch.float16, 6, _MATMUL + forms)
+                            for forms in ((True, True), (True, False), (False, False))])
 def test_linear_fused_forms_equal_the_composed_ops(fmt: str, form: str, rows: int, cfg, dtype: torch.dtype) -> None:
     """RMSNorm in, silu(gate) * up in, the residual add out, silu(gate) * up out: the same values as
     reference.linear's composition of the separate ops (each rounded to the activation dtype), split or
@@ -371,7 +364,7 @@ def test_linear_fused_forms_equal_the_composed_ops(fmt: str, form: str, rows: in
     assert (got.float() - want.float()).abs().max().item() <= tol * scale, (got, want)
 
 
-@pytest.mark.parametrize("fmt", ["dense", "w8", "w8sym", "w4"])
+@pytest.mark.parametrize("fmt", ["dense", "w8", "w8sym", "w4", "w8sym+mma"])
 @pytest.mark.parametrize("m,k,rows,split", [(2, 224, 1, 1), (3, 256, 2, 2), (4, 192, 2, 1), (7, 160, 1, 3),
                                              (8, 96, 2, 1), (11, 128, 2, 2)])
 def test_gemv_of_several_x_rows_gives_each_rows_single_row_gemv_bit_for_bit(fmt: str, m: int, k: int, rows: int,

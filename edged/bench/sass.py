@@ -156,11 +156,13 @@ def _step(fmt: str, cfg: tlin.LinearConfig) -> int:
     return max(16, cfg.block_k // 2) if fmt == "w4" else cfg.block_k
 
 
-def compile_gemv(fmt: str, n: int, k: int, arch: int = 90, max_registers: int | None = None, **forms: bool):
+def compile_gemv(fmt: str, n: int, k: int, arch: int = 90, max_registers: int | None = None, mma_order: bool = True,
+                 **forms: bool):
     """Triton's compiled decode GEMV of an [n, k] w8 or w4 weight and bf16 x, as `linear` launches it on
     an H200, with the fused forms given (NORM, SILU, RESIDUAL, HAS_BIAS, GATED: off unless named), and
     the launch rule's config (its registers capped at max_registers where given, as
-    LinearConfig.max_registers caps them). Compiles for the GPU without one (Triton's own ptxas)."""
+    LinearConfig.max_registers caps them); w8 in the MMA order, as a model's weights are on a GPU, unless
+    mma_order is False. Compiles for the GPU without one (Triton's own ptxas)."""
     cfg = tlin.choose_config(1, n, k, fmt, torch.device("cuda"), sm_count=H200_SMS)
     cfg = replace(cfg, max_registers=max_registers or cfg.max_registers)
     common = dict(HAS_BIAS=False, SPLIT=cfg.split > 1, GROUP_SIZE=32, ROWS=cfg.block_n, NORM=False, SILU=False,
@@ -174,7 +176,7 @@ def compile_gemv(fmt: str, n: int, k: int, arch: int = 90, max_registers: int | 
     elif fmt == "w8":
         fn, row = tlin._gemv_kernel, k
         constexprs = dict(common, FORMAT=1, EVEN_K=k % step == 0, BLOCK_K=step, VEC=16,
-                          QUARTER_XSUM=tlin.quarter_xsum(k))
+                          QUARTER_XSUM=tlin.quarter_xsum(k), MMA=mma_order)
         pointers = {"x_ptr": "*bf16", "w_ptr": "*u8", "nw_ptr": "*bf16"}
     else:
         raise ValueError(f"edged bench sass counts the w8 and w4 GEMVs, not {fmt!r}")
@@ -186,10 +188,11 @@ def compile_gemv(fmt: str, n: int, k: int, arch: int = 90, max_registers: int | 
     return _compile(fn, *_signature(fn, pointers, ints, constexprs), arch, cfg), cfg
 
 
-def compile_gemv_x_rows(n: int, k: int, xrows: int, arch: int = 90, sym: bool = True, fmt: str = "w8"):
+def compile_gemv_x_rows(n: int, k: int, xrows: int, arch: int = 90, sym: bool = True, fmt: str = "w8",
+                        mma_order: bool = True):
     """Triton's compiled GEMV of several x rows (bf16) against an [n, k] w8 or w4 weight, as `linear`
     launches it on an H200 (its launch rule for 2 sequences: the kernel takes 1-8 rows of x a launch, 1-4
-    for w4, with that config)."""
+    for w4, with that config); w8 in the MMA order unless mma_order is False."""
     cfg = tlin.choose_config(2, n, k, fmt, torch.device("cuda"), sm_count=H200_SMS)
     step = _step(fmt, cfg)
     row = k // 2 if fmt == "w4" else k
@@ -206,17 +209,17 @@ def compile_gemv_x_rows(n: int, k: int, xrows: int, arch: int = 90, sym: bool = 
         ints.update(KB=row, kb_per_split=per, stride_xw=row)
     else:
         fn = tlin._gemv_x_rows_kernel
-        constexprs.update(FORMAT=1, BLOCK_K=step, VEC=16, SYM=sym, QUARTER_XSUM=tlin.quarter_xsum(k))
+        constexprs.update(FORMAT=1, BLOCK_K=step, VEC=16, SYM=sym, QUARTER_XSUM=tlin.quarter_xsum(k), MMA=mma_order)
         pointers["x_ptr"] = "*bf16"
         ints.update(K=k, k_per_split=per, stride_xm=k)
     return _compile(fn, *_signature(fn, pointers, ints, constexprs), arch, cfg), cfg
 
 
-def compile_matmul(fmt: str, m: int, n: int, k: int, arch: int = 90, relabel_k: bool = False):
+def compile_matmul(fmt: str, m: int, n: int, k: int, arch: int = 90, mma_order: bool = True):
     """Triton's compiled batched decode matmul of m rows of x (bf16) against an [n, k] weight (symmetric w8, or
-    w4), as `linear` launches it on an H200 (its launch rule's tile, form and K split); relabel_k: the w8 swap
-    form with its 64-column steps relabelled (LinearConfig.relabel_k)."""
-    cfg = replace(tlin.choose_config(m, n, k, fmt, torch.device("cuda"), sm_count=H200_SMS), relabel_k=relabel_k)
+    w4), as `linear` launches it on an H200 (its launch rule's tile, form and K split); w8 in the MMA order
+    unless mma_order is False."""
+    cfg = tlin.choose_config(m, n, k, fmt, torch.device("cuda"), sm_count=H200_SMS)
     if cfg.kind != "matmul":
         raise ValueError(f"{m} rows of x against [{n}, {k}] {fmt} launch a {cfg.kind}, not the matmul")
     block_k = max(cfg.block_k, 32)
@@ -225,8 +228,8 @@ def compile_matmul(fmt: str, m: int, n: int, k: int, arch: int = 90, relabel_k: 
     constexprs = dict(FORMAT=1 if w8 else 2, HAS_BIAS=False, SPLIT=split > 1, EVEN_K=k % block_k == 0,
                       GROUP_SIZE=32, ROW_GROUP=False, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
                       GROUP_M=8, RESIDUAL=False, SWAP=cfg.swap, PREFETCH=cfg.prefetch and w8, SYM=w8,
-                      PDL=arch >= 90, ASM=cfg.asm_dequant and w8, PART_EVICT="evict_last" if m <= cfg.block_m else "",
-                      RELABEL_K=relabel_k)
+                      PDL=arch >= 90, ASM=w8 and (cfg.asm_dequant or (mma_order and cfg.swap)),
+                      PART_EVICT="evict_last" if m <= cfg.block_m else "", MMA=w8 and mma_order)
     pointers = {"x_ptr": "*bf16", "w_ptr": "*u8", "scale_ptr": "*fp16", "min_ptr": "*fp16", "bias_ptr": "*bf16",
                 "out_ptr": "*bf16", "part_ptr": "*fp32", "res_ptr": "*bf16"}
     ints = {"M": m, "N": n, "K": k, "k_per_split": per, "stride_xm": k, "stride_wn": k if w8 else k // 2,

@@ -8,14 +8,19 @@ from __future__ import annotations
 import torch
 
 from edged.kernels import reference
-from edged.kernels.weights import LinearWeight, quantize_w4, quantize_w8
+from edged.kernels.weights import LinearWeight, quantize_w4, quantize_w8, to_mma_order
 
 
 def make_weight(fmt: str, n: int, k: int, dtype: torch.dtype, bias: bool = False, group: int = 32,
                 seed: int = 0, device: torch.device | str = "cpu", std: float = 0.02,
                 bias_std: float = 0.1) -> LinearWeight:
     """A random [n, k] weight in `fmt` ("dense", "w8", "w8sym": symmetric w8 as GGUF Q8_0 holds it, "w4";
-    quantized from float32), its float parts in dtype."""
+    quantized from float32; a w8 format + "+mma": stored in the MMA order, as on a GPU), its float parts in dtype."""
+    if fmt.endswith("+mma"):
+        w = to_mma_order(make_weight(fmt.removesuffix("+mma"), n, k, dtype, bias, group, seed, device, std, bias_std))
+        if not w.mma_order:
+            raise ValueError(f"a [{n}, {k}] {fmt} weight in groups of {group} does not fit the MMA order")
+        return w
     g = torch.Generator(device=device).manual_seed(seed)
     dense = torch.randn(n, k, generator=g, device=device) * std
     b = torch.randn(n, generator=g, device=device) * bias_std if bias else None
