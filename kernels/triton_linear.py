@@ -342,13 +342,14 @@ def _x_step(x_ptr, nwv, K, k, km, inv, dt: tl.constexpr, NORM: tl.constexpr, SIL
         xv = _round_as(nwv.to(tl.float32) * (xv * inv), dt)
     if SILU:
         xv = _round_as(_silu_mul(xv, tl.load(x_ptr + K + k, mask=km, other=0.0).to(tl.float32)), dt)
-    if MMA:
-        xv = _mma_order_columns(xv, C, 16)
-    x0, x1, x2, x3 = _quarters(xv, C, VEC)
     if QUARTER_XSUM:
-        xsum = tl.sum(x0 + x1 + x2 + x3, axis=1)
+        q0, q1, q2, q3 = _quarters(xv, C, VEC)
+        xsum = tl.sum(q0 + q1 + q2 + q3, axis=1)
     else:
         xsum = tl.sum(xv, axis=1)
+    if MMA:  # after the sums, which do not depend on the order (Triton 3.6 summed the permuted x by 28 more FADDs)
+        xv = _mma_order_columns(xv, C, 16)
+    x0, x1, x2, x3 = _quarters(xv, C, VEC)
     return x0, x1, x2, x3, xsum, xsum * 32768.0  # the last unused (and not computed) where EXACT
 
 
@@ -1251,11 +1252,22 @@ def _decode_batch_split(tiles: int, k_steps: int, sms: int, one_wave: bool) -> i
     return _one_wave_split(tiles, k_steps, 3 * sms, 8) if one_wave else _pick_split(tiles, k_steps, 2 * sms, 4)
 
 
+def _short_w8_warps(fmt: str, block_k: int) -> int:
+    """Warps of a w8 GEMV program: 4, or fewer where a K step has fewer 16-column chunks than 4 warps have
+    threads, so that each thread holds a chunk whole and its sums need no shuffles (SmolLM2's 576-column rows, 1024
+    columns a step: 2 warps; H100 decode graph, session 39, SmolLM2 batch 1 / 2 tok/s 2,314 / 3,502 against 2,263 /
+    3,268 in the MMA order, 2,343 / 3,458 against 2,298 / 3,304 in column order)."""
+    if fmt != "w8":
+        return 4
+    return max(1, min(4, block_k // (16 * 32)))
+
+
 def choose_config(m: int, n: int, k: int, fmt: str, device: torch.device,
-                  sm_count: int | None = None) -> LinearConfig:
+                  sm_count: int | None = None, mma_order: bool = False) -> LinearConfig:
     """Shape heuristics (no autotuning: it must also run under the CPU interpreter). GPU numbers come
     from sweeps on an H200 (`edged bench kernels --sweep`). sm_count: a CUDA device's SMs, given rather
-    than asked for (`edged bench sass` compiles for a GPU that is not there)."""
+    than asked for (`edged bench sass` compiles for a GPU that is not there). mma_order: w8 stored in the
+    MMA order (LinearWeight.mma_order, as prepacked weights are on CUDA)."""
     sms = sm_count or _sm_count(device)
     if device.type != "cuda":
         if m == 1:
@@ -1296,7 +1308,7 @@ def choose_config(m: int, n: int, k: int, fmt: str, device: torch.device,
             cap = LARGE_GEMV_W8_MAX_REGISTERS
         else:
             cap = LARGE_GEMV_W4_MAX_REGISTERS if large_w4 else None
-        warps = LONG_ROW_GEMV_WARPS if long_rows else LARGE_GEMV_W4_WARPS if large_w4 else 4
+        warps = LONG_ROW_GEMV_WARPS if long_rows else LARGE_GEMV_W4_WARPS if large_w4 else _short_w8_warps(fmt, block_k)
         return LinearConfig("gemv", 1, rows, block_k, split, num_warps=warps, num_stages=1, max_registers=cap)
     if fmt == "dense":
         return LinearConfig("torch")  # cuBLAS is at bandwidth for dense weights from M = 2 on
@@ -1312,7 +1324,7 @@ def choose_config(m: int, n: int, k: int, fmt: str, device: torch.device,
         # w4: a whole 16-byte chunk a thread, so its sums need no shuffles (sm_90 SASS): 2048 bytes a step at
         # K >= 4096 over 4 warps, fewer warps where the rows are shorter
         block_k = 4096 if fmt == "w4" and k >= 4096 else 2048 if k > 1024 else 1024
-        warps = max(1, min(4, block_k // 1024)) if fmt == "w4" else 4
+        warps = max(1, min(4, block_k // 1024)) if fmt == "w4" else _short_w8_warps(fmt, block_k)
         return LinearConfig("gemv", 1, 2, block_k, _pick_split(-(-n // 2), -(-k // block_k), 2 * sms, 2),
                             num_warps=warps, num_stages=1)
     if m <= 64:
@@ -1329,7 +1341,10 @@ def choose_config(m: int, n: int, k: int, fmt: str, device: torch.device,
             # form (same sweep, session 24, tok/s at batch 4 / 8 / 16: 1B 3,152 / 5,870 / 10,956 against
             # 2,987 / 5,577 / 10,400, 8B 754 / 1,460 / 2,749 against 689 / 1,321 / 2,518); not at 32 rows
             # (1B 17,797 against 18,715, 8B 4,436 against 4,636) nor for SmolLM2 (12,921 against 13,800 at 16)
-            plain = block_m == 16 and not short
+            # In the MMA order the swap form reads its bytes by ldmatrix and converts them by one prmt, and wins
+            # there too (H100 decode graph, session 39, tok/s at batch 8 / 16: 1B 6,374 / 12,001 against
+            # 6,256 / 11,842, 8B 1,417 / 2,672 against 1,375 / 2,654)
+            plain = block_m == 16 and not short and not mma_order
             return LinearConfig("matmul", block_m, block_n, 64,
                                 _pick_split(-(-m // block_m) * -(-n // block_n), -(-k // 64), target, 4),
                                 num_warps=4, num_stages=3, swap=not plain, asm_dequant=plain)
@@ -1554,7 +1569,7 @@ def _linear(x: torch.Tensor, w: LinearWeight, config: LinearConfig | None, out_d
     m = x2.shape[0]
     if m == 0:
         return x.new_empty(*lead, n // 2 if silu_mul_out else n, dtype=out_dtype), None
-    cfg = config or choose_config(m, n, k, w.format, x.device)
+    cfg = config or choose_config(m, n, k, w.format, x.device, mma_order=w.mma_order)
     # RMSNorm / SiLU in the GEMV's prologue only where the GEMV is small (launch-bound): each program
     # recomputes the row's inverse RMS or the SiLU of its columns, which on an H200 costs more than
     # the separate kernel from about 8M weights on (w8 28672x4096: +40 us against ~3 us). SiLU in the

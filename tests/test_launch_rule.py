@@ -50,7 +50,8 @@ def test_one_row_gemvs_of_long_rows_in_2049_to_8192_rows_take_2_warps_and_2048_c
             cfg = _config(1, n, k, fmt)
             assert (cfg.kind, cfg.num_warps, cfg.block_k) == ("gemv", tlin.LONG_ROW_GEMV_WARPS, 2048), (fmt, n, k, cfg)
         for n, k in others + (large if fmt == "w8" else []):
-            assert _config(1, n, k, fmt).num_warps == 4, (fmt, n, k)
+            short_w8 = fmt == "w8" and k <= 1024  # SmolLM2's 576-column rows: below
+            assert _config(1, n, k, fmt).num_warps == (2 if short_w8 else 4), (fmt, n, k)
         assert _config(2, 4096, 14336, fmt).num_warps == 4, fmt
     assert tlin.LONG_ROW_GEMV_WARPS == 2
     # the 1B's down keeps session 25's launch: w8 2 rows of 2048-column steps, w4 4 rows of 4096
@@ -71,6 +72,32 @@ def test_large_one_row_w4_gemvs_of_1025_to_4096_columns_take_2_warps_capped_regi
     smollm_head = _config(1, 49152, 576, "w4")
     assert (smollm_head.num_warps, smollm_head.max_registers) == (4, None)
     assert (_config(1, 28672, 4096, "w8").num_warps, _config(2, 28672, 4096, "w4").max_registers) == (4, None)
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+def test_w8_gemvs_of_rows_of_at_most_1024_columns_take_2_warps_so_each_thread_holds_16_columns_whole(m: int) -> None:
+    """SmolLM2's qkv, o, gate_up and lm_head (576 columns, 1024 a step: 64 chunks of 16) over 2 warps (64 threads)
+    for one row of x and for the GEMV of several; its down (1536 columns, 2048 a step) and the longer rows keep 4
+    (or the long rows' 2); w4's GEMVs keep their own warps."""
+    for n, k in ((960, 576), (576, 576), (3072, 576), (49152, 576)):
+        cfg = _config(m, n, k, "w8")
+        assert (cfg.kind, cfg.block_k, cfg.num_warps) == ("gemv", 1024, 2), (n, k, cfg)
+        assert _config(m, n, k, "w4").num_warps == (1 if m > 1 else 4), (n, k)
+    for n, k in ((576, 1536), (3072, 2048), (2048, 8192)):
+        assert _config(m, n, k, "w8").num_warps == 4, (n, k)
+
+
+@pytest.mark.parametrize("m", [9, 16])
+def test_16_row_w8_tiles_of_longer_rows_take_the_swap_form_in_the_mma_order_and_the_plain_one_in_column_order(
+        m: int) -> None:
+    """At 9-16 rows the swap form reads weights stored in the MMA order by ldmatrix and one prmt a 4 bytes, and
+    measured faster than the plain form there; in column order the plain form (bytes made floats by PTX) stays."""
+    for n, k in ((6144, 4096), (4096, 14336), (3072, 2048), (16384, 2048)):
+        mma = tlin.choose_config(m, n, k, "w8", CUDA, sm_count=132, mma_order=True)
+        natural = _config(m, n, k, "w8")
+        assert (mma.kind, mma.block_m, mma.swap, mma.asm_dequant) == ("matmul", 16, True, False), (n, k, mma)
+        assert (natural.block_m, natural.swap, natural.asm_dequant) == (16, False, True), (n, k, natural)
+    assert _config(m, 960, 576, "w8").swap  # short rows take the swap form in either order
 
 
 @pytest.mark.parametrize("m", [33, 48, 64])

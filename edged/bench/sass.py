@@ -219,7 +219,7 @@ def compile_matmul(fmt: str, m: int, n: int, k: int, arch: int = 90, mma_order: 
     """Triton's compiled batched decode matmul of m rows of x (bf16) against an [n, k] weight (symmetric w8, or
     w4), as `linear` launches it on an H200 (its launch rule's tile, form and K split); w8 in the MMA order
     unless mma_order is False."""
-    cfg = tlin.choose_config(m, n, k, fmt, torch.device("cuda"), sm_count=H200_SMS)
+    cfg = tlin.choose_config(m, n, k, fmt, torch.device("cuda"), sm_count=H200_SMS, mma_order=fmt == "w8" and mma_order)
     if cfg.kind != "matmul":
         raise ValueError(f"{m} rows of x against [{n}, {k}] {fmt} launch a {cfg.kind}, not the matmul")
     block_k = max(cfg.block_k, 32)
