@@ -19,13 +19,14 @@ from helpers.hf_gguf import fast_gguf_parsing
 from helpers.interpreted_child import interpreted_child, stop_all
 
 INTERPRETED_FILE = Path(__file__).parent / "test_kernels_triton.py"
+IN_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"  # this process runs the kernel tests itself
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The interpreted Triton tests last: they only replay the child's results, and waiting for them at the end
     leaves the niced child the whole suite's idle time instead of stalling the run half-way (90-134 s of setup
     wait on the 2-core box, session 41)."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if IN_INTERPRETER:
         return
     items.sort(key=lambda item: item.path == INTERPRETED_FILE)  # stable: every other test keeps its place
 
@@ -33,7 +34,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Start the interpreted child run of the Triton kernel tests now (niced, one thread), so that it
     overlaps the tests before them instead of adding ~110 s to the suite."""
-    if os.environ.get("TRITON_INTERPRET") == "1" or session.config.option.collectonly:
+    if IN_INTERPRETER or session.config.option.collectonly:
         return
     if any(item.path == INTERPRETED_FILE for item in session.items):
         interpreted_child(INTERPRETED_FILE).start()
