@@ -410,6 +410,22 @@ def test_the_split_k_sum_of_several_rows_makes_the_norm_after_and_the_gate_bit_f
     assert (gated.float() - want.float()).abs().max().item() <= 8e-3 * want.float().abs().max().item()
 
 
+def test_dense_output_projection_of_several_rows_makes_the_norm_after_bit_for_bit() -> None:
+    """Dense weights at several rows go through cuBLAS (torch here): linear_add_norm's h and norm are linear's
+    residual add then rms_norm, bit for bit, made by rms_norm's residual form instead of left to the next
+    linear (one kernel after the matmul, not an add and a norm)."""
+    torch.manual_seed(5)
+    config = tlin.LinearConfig("torch")
+    x = torch.randn(11, 128).to(torch.float16)
+    w = _weight("dense", 13, 128, torch.float16, bias=True)
+    res = (4 * torch.randn(11, 13)).to(torch.float16)
+    norm_w = (1.0 + 0.3 * torch.randn(13)).to(torch.float16)
+    h, normed = tlin.linear_add_norm(x, w, res, norm_w, 1e-5, config)
+    want_h = tlin.linear(x, w, config, residual=res)
+    assert torch.equal(h, want_h)
+    assert normed is not None and torch.equal(normed, tnorm.rms_norm(want_h, norm_w, 1e-5)[0])
+
+
 @pytest.mark.parametrize("rows,split", [(1, 2), (6, 1)])
 def test_linear_add_norm_leaves_the_norm_to_the_next_linear_where_no_split_sum_runs(rows: int, split: int) -> None:
     """One row (the decode GEMV norms its input in its prologue) or an unsplit K: no norm, the same h."""
