@@ -35,11 +35,18 @@ def build_parser(bench_arguments: bool = True) -> argparse.ArgumentParser:
         "Load the model, warm it up and serve the OpenAI-compatible API over HTTP/3 (QUIC). "
         "Flags override the config file. SIGHUP reloads the config; SIGTERM drains and exits."))
     serve.add_argument("--config", help="config.yaml (default: built-in defaults; see the repo's config.yaml)")
-    serve.add_argument("--listen", metavar="HOST:PORT", help="UDP address to listen on (default 0.0.0.0:4433)")
-    serve.add_argument("--state-dir", metavar="DIR", help="certificates and the result cache live here")
+    serve.add_argument("--listen", metavar="HOST:PORT", help="address to listen on: UDP for HTTP/3, and TCP on the "
+                                                             "same port for HTTP/2 and 1.1 unless server.tcp is "
+                                                             "false (default: server.listen, 0.0.0.0:4433)")
+    serve.add_argument("--state-dir", metavar="DIR", help="certificates, the result cache and QUIC session tickets "
+                                                          "live here (default: server.state_dir, else "
+                                                          "$STATE_DIRECTORY under systemd, /var/lib/edged as root, "
+                                                          "else $XDG_STATE_HOME/edged or ~/.local/state/edged)")
     serve.add_argument("--model", metavar="PATH", help="a .gguf file or a Hugging Face model directory "
-                                                        "(default: the embedded SmolLM2-135M-Instruct)")
-    serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="log verbosity")
+                                                        "(default: model.path, else the embedded "
+                                                        "SmolLM2-135M-Instruct)")
+    serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"],
+                       help="log verbosity (default: logging.level, info)")
 
     chat = sub.add_parser("chat", help="ask the daemon and stream the answer", description=(
         "Send one chat message to a running edged over HTTP/3 and stream the answer to the terminal. "
@@ -74,10 +81,13 @@ def build_parser(bench_arguments: bool = True) -> argparse.ArgumentParser:
     topo.add_argument("--sysfs", default="/sys", help="sysfs root (default: %(default)s)")
     topo.add_argument("--batch-cap", type=int, help="a configured batch cap override")
 
-    cache = sub.add_parser("cache", help="inspect or clear the result cache")
-    cache.add_argument("action", choices=["stats", "clear"])
-    cache.add_argument("--state-dir", help="the daemon's state directory")
-    cache.add_argument("--config", help="config.yaml (for its state_dir)")
+    cache = sub.add_parser("cache", help="inspect or clear the result cache", description=(
+        "The persistent result cache: result_cache.sqlite3 under the state directory."))
+    cache.add_argument("action", choices=["stats", "clear"],
+                       help="stats: the file's path, entries and bytes; clear: delete every entry")
+    cache.add_argument("--state-dir", help="the daemon's state directory (default: --config's server.state_dir, "
+                                           "else the daemon's default, as `serve --help` lists)")
+    cache.add_argument("--config", help="config.yaml, for its server.state_dir")
 
     bench = sub.add_parser("bench", help="benchmarks that print a table")
     bench_sub = bench.add_subparsers(dest="bench", metavar="KIND", required=True)
@@ -161,7 +171,17 @@ def build_parser(bench_arguments: bool = True) -> argparse.ArgumentParser:
     if bench_arguments:
         from edged.bench.engine_loop import add_arguments as add_engine_loop_arguments
         add_engine_loop_arguments(eng)
+    _describe_from_help(parser)
     return parser
+
+
+def _describe_from_help(parser: argparse.ArgumentParser) -> None:
+    """A command without a description of its own shows its one-line help atop `edged CMD --help`."""
+    for action in parser._subparsers._group_actions if parser._subparsers else ():
+        for choice in action._choices_actions:
+            sub = action.choices[choice.dest]
+            sub.description = sub.description or choice.help[0].upper() + choice.help[1:] + "."
+            _describe_from_help(sub)
 
 
 def _chat_ca_file(args: argparse.Namespace) -> str | None:

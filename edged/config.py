@@ -69,7 +69,7 @@ def parse_listen(listen: str) -> tuple[str, int]:
         if not re.fullmatch(r"[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?", host):
             raise ValueError("host must be an IP address or a host name, e.g. 0.0.0.0:4433")
     if not 0 <= int(port) <= 65535:  # 0: any free port (tests)
-        raise ValueError(f"port must be 0..65535, got {port}")
+        raise ValueError("port must be 0..65535")  # the caller shows the value
     return host, int(port)
 
 

@@ -5,6 +5,7 @@
 """
 from __future__ import annotations
 
+import argparse
 import hashlib
 import subprocess
 import sys
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 import edged.models.loader as loader
-from edged.cli import main
+from edged.cli import build_parser, main
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -22,6 +23,33 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 def edged(*args: str, stdin: str | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "edged.cli", *args], input=stdin, capture_output=True, text=True,
                           timeout=timeout)
+
+
+def _commands(parser: argparse.ArgumentParser, name: str = "edged"):
+    """(name, parser) of `edged` and each of its commands, sub-commands included."""
+    yield name, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub_name, sub in action.choices.items():
+                yield from _commands(sub, f"{name} {sub_name}")
+
+
+def test_every_command_has_a_description_and_every_flag_and_argument_a_help_text() -> None:
+    undescribed, unexplained = [], []
+    for name, parser in _commands(build_parser()):
+        if not parser.description:
+            undescribed.append(name)
+        unexplained += [f"{name} {a.option_strings or a.dest}" for a in parser._actions
+                        if not a.help and not isinstance(a, argparse._SubParsersAction)]
+    assert not undescribed and not unexplained, (undescribed, unexplained)
+
+
+def test_serve_help_names_each_flags_default() -> None:
+    r = edged("serve", "--help")
+    assert r.returncode == 0, r.stderr
+    text = " ".join(r.stdout.split())
+    for default in ("0.0.0.0:4433", "~/.local/state/edged", "SmolLM2-135M-Instruct", "logging.level, info"):
+        assert default in text, default
 
 
 def test_hash_key_prints_the_sha256_of_the_argument_or_of_stdin() -> None:
