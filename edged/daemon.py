@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import logging
 import multiprocessing as mp
 import os
@@ -70,10 +71,14 @@ def bind_group(host: str, port: int, count: int, kind: socket.SocketKind, backlo
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     socks: list[socket.socket] = []
     try:
+        if port:
+            _check_port_free(family, kind, host, port)
         for _ in range(count):
             s = socket.socket(family, kind)
             socks.append(s)
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            if kind == socket.SOCK_STREAM:  # so that the next start's probe passes this one's TIME_WAIT connections
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             if family == socket.AF_INET6:
                 s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
             s.bind((host, port))
@@ -87,6 +92,22 @@ def bind_group(host: str, port: int, count: int, kind: socket.SocketKind, backlo
         proto = "tcp" if kind == socket.SOCK_STREAM else "udp"
         raise OSError(f"cannot listen on {proto} {host}:{port}: {e.strerror or e}") from None
     return socks
+
+
+def _check_port_free(family: socket.AddressFamily, kind: socket.SocketKind, host: str, port: int) -> None:
+    """EADDRINUSE while any other socket holds host:port, another edged's SO_REUSEPORT group included (which
+    the group's own binds would join, and the kernel would share connections between two daemons)."""
+    with socket.socket(family, kind) as probe:  # no SO_REUSEPORT: any holder conflicts
+        if kind == socket.SOCK_STREAM:  # a restart's TIME_WAIT connections do not; a listener does
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        try:
+            probe.bind((host, port))
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise OSError(e.errno, "address already in use (by another edged, or another program)") from None
+            raise
 
 
 def bind_udp(host: str, port: int, count: int) -> list[socket.socket]:

@@ -170,6 +170,21 @@ def test_edged_chat_reports_an_unreachable_daemon_and_exits_non_zero(tmp_path: P
     assert "could not reach edged" in out.stderr
 
 
+def test_a_second_daemon_on_a_running_ones_port_exits_with_a_clear_error_and_the_first_keeps_serving(
+        daemon: DaemonProcess, tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, "-m", "edged.cli", "serve", "--listen", f"127.0.0.1:{daemon.port}",
+                          "--state-dir", str(tmp_path / "state")], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1, out.stderr[-2000:]
+    assert f"cannot listen on udp 127.0.0.1:{daemon.port}: address already in use" in out.stderr
+    assert "engine built" not in out.stderr  # refused before the model loads
+
+    async def ask() -> str:
+        async with H3Client("127.0.0.1", daemon.port, ca_file=daemon.ca_file) as c:
+            return await stream_text(c, chat_body("What is the capital of France?", max_tokens=8))
+
+    assert asyncio.run(ask())  # the first daemon still answers
+
+
 # ------------------------------------------------------------------ stop strings, through the API
 
 async def sse_chunks(client: H3Client, body: bytes) -> tuple[list[str], str | None, dict]:

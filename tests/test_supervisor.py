@@ -39,6 +39,20 @@ def test_a_port_in_use_is_a_clear_error() -> None:
             bind_udp("127.0.0.1", taken.getsockname()[1], 2)
 
 
+def test_a_port_held_by_another_daemons_socket_group_is_refused_not_shared() -> None:
+    first = bind_udp("127.0.0.1", 0, 2)  # another edged: an SO_REUSEPORT group that a second one could join
+    port = first[0].getsockname()[1]
+    try:
+        with pytest.raises(OSError, match=r"cannot listen on udp 127\.0\.0\.1:\d+: address already in use"):
+            bind_udp("127.0.0.1", port, 2)
+    finally:
+        for s in first:
+            s.close()
+    again = bind_udp("127.0.0.1", port, 2)  # once it is gone, the port is free
+    for s in again:
+        s.close()
+
+
 def child(name: str, beat_age_s: float, alive: bool = True) -> Child:
     proc = SimpleNamespace(is_alive=lambda: alive)
     return Child(name, proc, None, None, last_beat=time.monotonic() - beat_age_s)  # type: ignore[arg-type]

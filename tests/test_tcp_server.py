@@ -11,6 +11,7 @@ import json
 import socket
 import ssl
 import uuid
+from pathlib import Path
 
 import h2.config
 import h2.connection
@@ -486,3 +487,38 @@ def test_bind_tcp_shares_the_udp_port_number():
     finally:
         for s in udp + tcp:
             s.close()
+
+
+def test_bind_tcp_refuses_a_port_another_daemons_listeners_hold():
+    from edged.daemon import bind_tcp
+
+    first = bind_tcp("127.0.0.1", 0, 2)  # another edged: an SO_REUSEPORT group that a second one could join
+    try:
+        with pytest.raises(OSError, match="cannot listen on tcp 127.0.0.1:[0-9]+: address already in use"):
+            bind_tcp("127.0.0.1", first[0].getsockname()[1], 2)
+    finally:
+        for s in first:
+            s.close()
+
+
+def _time_wait_on(port: int) -> bool:
+    """A TIME_WAIT (state 06) connection from 127.0.0.1:port in /proc/net/tcp."""
+    rows = [line.split() for line in Path("/proc/net/tcp").read_text().splitlines()[1:]]
+    return any(r[1] == f"0100007F:{port:04X}" and r[3] == "06" for r in rows)
+
+
+def test_a_restart_binds_tcp_again_beside_the_last_runs_time_wait_connections():
+    from edged.daemon import bind_tcp
+
+    first = bind_tcp("127.0.0.1", 0, 1)
+    port = first[0].getsockname()[1]
+    first[0].setblocking(True)
+    with socket.create_connection(("127.0.0.1", port)) as client:
+        served, _ = first[0].accept()
+        served.close()  # the server closes first: its end of the connection stays in TIME_WAIT
+        assert client.recv(1) == b""
+    first[0].close()
+    assert _time_wait_on(port)
+    again = bind_tcp("127.0.0.1", port, 2)
+    for s in again:
+        s.close()
