@@ -54,6 +54,31 @@ def test_the_cpu_warm_up_measures_decode_steps_of_several_rows() -> None:
     assert max(stats.measured_decode_sizes()) >= 3 and stats.steps > 0
 
 
+def test_the_warm_up_leaves_no_request_step_token_or_missed_target_in_the_metrics_or_the_log(caplog) -> None:
+    """Warm-up requests are not service: with targets no step can meet, none of them is recorded or logged as
+    a miss, and the engine's counters and every tier's figures start from zero once it is over."""
+    tiny = tiny_engine(num_blocks=256, max_num_seqs=32, max_batch_tokens=256)
+    impossible = parse_config({"tiers": {"silver": {"ttft_target_ms": 0.001, "tpot_target_ms": 0.001,
+                                                    "batch_window_ms": {"min": 0, "initial": 5, "max": 50}}}})
+    tiny.batcher.board.reconfigure(impossible.tiers, "silver")
+    d = EngineCore(config(), "", None, [])
+    d.engine, d.front = tiny, SimpleNamespace(max_model_len=tiny.max_model_len)
+    d._send_outputs = lambda outputs: None
+    try:
+        with caplog.at_level("INFO", logger="edged"):
+            d._warm_up()
+    finally:
+        tiny.stop()
+    assert tiny.batcher.step_stats.steps > 0  # the step model keeps what the warm-up measured
+    c = tiny.counters
+    assert (c.steps, c.prefill_tokens, c.decode_tokens, tiny.blocks.counters.prefix_hits) == (0, 0, 0, 0)
+    silver = tiny.batcher.board.snapshot()["silver"]
+    assert {k: silver[k] for k in ("started", "finished", "ttft_count", "tpot_met", "tpot_missed")} == dict.fromkeys(
+        ("started", "finished", "ttft_count", "tpot_met", "tpot_missed"), 0)
+    assert (silver["sla_attainment"], silver["batch_window_ms"]) == (1.0, 5.0)
+    assert not [r.message for r in caplog.records if "target missed" in r.message]
+
+
 def plx_gen4_x8(fs: FakeSysfs, cpulist: str) -> None:
     """Root port x16 Gen4 -> PLX switch -> GPU at x8: 2 bridge hops, base 32 -> cap max(8, 32 // 3) = 10."""
     rp = fs.root_port("0000:00:03.0", speed=4, width=16)

@@ -177,10 +177,14 @@ class EngineCore:
         self.engine.on_outputs = on_outputs
         self.engine.start(self._pin_engine_thread)
         stats = self.engine.batcher.step_stats
-        run_all(measuring=False)  # compiles: these step times are compile stalls
-        stats.reset()
-        run_all(measuring=True)  # the same steps compiled: admission starts from what they really cost
+        with self.engine.batcher.board.warming_up():  # no TTFT, pace or counts of warm-up requests in the tiers
+            run_all(measuring=False)  # compiles: these step times are compile stalls
+            stats.reset()
+            run_all(measuring=True)  # the same steps compiled: admission starts from what they really cost
         stats.reset(steps=False)  # but not from warm-up sequences' few tokens each
+        counters_zeroed = threading.Event()
+        self.engine.call(lambda: (self.engine.forget_counters(), counters_zeroed.set()))
+        wait(counters_zeroed, "counters' reset")  # /metrics counts served steps and tokens only
         self.engine.on_outputs = self._send_outputs
 
     def _pin_engine_thread(self) -> None:

@@ -31,7 +31,7 @@ from typing import Callable
 from edged.log import fields
 from edged.scheduler.batcher import Batcher, ScheduledChunk, StepPlan
 
-from .block_manager import BlockManager
+from .block_manager import BlockCounters, BlockManager
 from .model_runner import PLACEHOLDER, LaunchedStep, ModelRunner
 from .request import GenerationRequest, StepOutput
 from .sequence import Sequence, SequenceStatus
@@ -95,6 +95,12 @@ class LLMEngine:
 
     def cancel(self, request_id: str) -> None:
         self._inbox.put(("cancel", request_id))
+
+    def forget_counters(self) -> None:
+        """Zero the engine's and the block manager's counters (engine thread, between steps: `call`): the
+        daemon's warm-up steps are not service."""
+        self.counters = EngineCounters(last_progress=time.monotonic())
+        self.blocks.counters = BlockCounters()
 
     def call(self, fn: Callable[[], None]) -> None:
         """Run fn on the engine thread between steps (live reconfiguration)."""

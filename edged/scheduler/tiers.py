@@ -29,7 +29,8 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from edged.config import SchedulerConfig, TierConfig, default_tiers
@@ -166,6 +167,7 @@ class TierBoard:
         self.tiers: dict[str, TierState] = {}
         self.default_tier = ""
         self._observers: list[Callable[[str, float, bool], None]] = []
+        self._recording = True  # False inside warming_up()
         # What the engine last published: usable batch slots (the cap, or fewer while KV blocks bind),
         # the per-step token budget and the running sequences.
         self.engine_slots = 0
@@ -198,7 +200,7 @@ class TierBoard:
                 bw = cfg.batch_window_ms
                 st = self.tiers.get(name)
                 if st is None:
-                    st = TierState(name, cfg, ranks[name], _clamp(bw.initial, bw.min, bw.max))
+                    st = TierState(name, cfg, ranks[name], _initial_window_ms(cfg))
                 else:
                     st.config, st.rank = cfg, ranks[name]
                     st.window_ms = _clamp(st.window_ms, bw.min, bw.max)
@@ -209,6 +211,19 @@ class TierBoard:
             self.tiers = new
             self.default_tier = default_tier
         return removed
+
+    @contextmanager
+    def warming_up(self) -> Iterator[None]:
+        """Steps run inside it are not the service's (the daemon's warm-up): they record no TTFT or pace (nor
+        log a miss), and on leaving every tier starts afresh, with no counts and its initial batch window."""
+        self._recording = False
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.tiers = {name: TierState(name, st.config, st.rank, _initial_window_ms(st.config))
+                              for name, st in self.tiers.items()}
+                self._recording = True
 
     def resolve(self, tier: str | None) -> str:
         """A request's tier name -> a configured tier ("default", unknown or empty: the default)."""
@@ -344,6 +359,8 @@ class TierBoard:
 
     def record_ttft(self, tier: str, ttft_s: float, now: float, request_id: str | None = None) -> bool:
         """A first token was produced ttft_s after the request arrived; returns whether it met the target."""
+        if not self._recording:
+            return True
         with self.lock:
             st = self.tiers[tier]
             met = ttft_s <= st.target_s
@@ -400,7 +417,9 @@ class TierBoard:
 
     def record_tpot(self, tier: str, tpot_s: float, now: float) -> bool | None:
         """A sequence finished at a mean of tpot_s per output token after its first; returns whether it
-        met the tier's pace target (None: the tier has none)."""
+        met the tier's pace target (None: the tier has none, or nothing is recorded now)."""
+        if not self._recording:
+            return None
         with self.lock:
             st = self.tiers[tier]
             target = st.tpot_target_s
@@ -542,6 +561,11 @@ class TierBoard:
 
 def _clamp(v: float, lo: float, hi: float) -> float:
     return min(max(v, lo), max(lo, hi))
+
+
+def _initial_window_ms(cfg: TierConfig) -> float:
+    bw = cfg.batch_window_ms
+    return _clamp(bw.initial, bw.min, bw.max)
 
 
 def _quantile(sorted_values: list[float], q: float) -> float | None:
