@@ -54,9 +54,9 @@ def ensure_cert(
     """
     if certfile or keyfile:
         if not (certfile and keyfile):
-            raise TLSConfigError("tls: set both cert_file and key_file, or neither (a self-signed pair is "
-                                 "then created under the state directory)")
-        for what, path in (("cert_file", certfile), ("key_file", keyfile)):
+            raise TLSConfigError("tls: set both server.certfile and server.keyfile, or neither (a self-signed "
+                                 "pair is then created under the state directory)")
+        for what, path in (("server.certfile", certfile), ("server.keyfile", keyfile)):
             if not os.path.isfile(path):
                 raise TLSConfigError(f"tls: {what} {path} does not exist")
         _check_loads(certfile, keyfile)
