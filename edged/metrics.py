@@ -116,6 +116,8 @@ class _LiveCollector(Collector):
             yield host
         if e.tiers:
             depth = GaugeMetricFamily("edged_queue_depth", "requests waiting per tier", labels=["tier"])
+            running = GaugeMetricFamily("edged_running_requests", "sequences in the engine's batch per tier (prompt "
+                                        "or generation)", labels=["tier"])
             att = GaugeMetricFamily("edged_sla_attainment", "share of recent requests within their TTFT target",
                                     labels=["tier"])
             window = GaugeMetricFamily("edged_batch_window_seconds", "current adaptive batch window", labels=["tier"])
@@ -133,6 +135,7 @@ class _LiveCollector(Collector):
                                          labels=["tier"])
             for tier, snap in e.tiers.items():
                 depth.add_metric([tier], snap.get("queue_depth", 0))
+                running.add_metric([tier], snap.get("running", 0))
                 att.add_metric([tier], snap.get("sla_attainment", 1.0))
                 window.add_metric([tier], snap.get("batch_window_ms", 0.0) / 1000.0)
                 tpot_att.add_metric([tier], snap.get("tpot_attainment", 1.0))
@@ -141,7 +144,7 @@ class _LiveCollector(Collector):
                 pred_n.add_metric([tier], snap.get("ttft_prediction_count", 0))
                 pred_abs.add_metric([tier], snap.get("ttft_prediction_abs_error_sum_s", 0.0))
                 pred_err.add_metric([tier], snap.get("ttft_prediction_error_sum_s", 0.0))
-            yield from (depth, att, window, tpot_att, tpot, pred_n, pred_abs, pred_err)
+            yield from (depth, running, att, window, tpot_att, tpot, pred_n, pred_abs, pred_err)
         if e.gpu_memory:
             g = GaugeMetricFamily("edged_gpu_memory_bytes", "GPU memory", labels=["kind"])
             for kind, value in e.gpu_memory.items():

@@ -308,7 +308,7 @@ def test_metrics_after_real_requests_have_every_family_with_plausible_values(dae
     rss_now = psutil.Process(daemon.proc.pid).memory_info().rss
     fams = families(after)
     want = {"edged_requests", "edged_ttft_seconds", "edged_itl_seconds", "edged_request_seconds", "edged_queue_depth",
-            "edged_sla_attainment", "edged_batch_window_seconds", "edged_batch_size", "edged_step_seconds",
+            "edged_running_requests", "edged_sla_attainment", "edged_batch_window_seconds", "edged_batch_size", "edged_step_seconds",
             "edged_tokens_per_second", "edged_kv_blocks", "edged_result_cache_lookups", "edged_prefix_tokens_reused",
             "edged_process_cpu_percent", "edged_process_rss_bytes", "edged_engine_steps", "edged_generated_tokens",
             "edged_prefill_tokens", "edged_result_cache_bytes", "edged_tier_ttft_target_seconds",
@@ -349,6 +349,7 @@ def test_metrics_after_real_requests_have_every_family_with_plausible_values(dae
     assert tokens / outer * 0.999 <= rate <= tokens / inner * 1.001, (rate, tokens, inner, outer)
     for tier, t in tiers.items():
         assert metric_value(after, "edged_queue_depth", {"tier": tier}) == 0
+        assert metric_value(after, "edged_running_requests", {"tier": tier}) == 0
         assert 0.0 <= metric_value(after, "edged_sla_attainment", {"tier": tier}) <= 1.0
         window = metric_value(after, "edged_batch_window_seconds", {"tier": tier})
         assert t.batch_window_ms.min / 1000 <= window <= t.batch_window_ms.max / 1000

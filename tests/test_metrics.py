@@ -31,8 +31,8 @@ def fake_engine(**counters):
     host = SimpleNamespace(counters=SimpleNamespace(spilled=5, restored=4))
     blocks = SimpleNamespace(num_used=10, num_free=54, counters=SimpleNamespace(prefix_tokens_reused=32),
                              host_tier=host)
-    tiers = {"gold": {"queue_depth": 2, "sla_attainment": 0.9, "batch_window_ms": 4.0},
-             "bronze": {"queue_depth": 7, "sla_attainment": 0.5, "batch_window_ms": 50.0}}
+    tiers = {"gold": {"queue_depth": 2, "running": 5, "sla_attainment": 0.9, "batch_window_ms": 4.0},
+             "bronze": {"queue_depth": 7, "running": 1, "sla_attainment": 0.5, "batch_window_ms": 50.0}}
     return SimpleNamespace(counters=SimpleNamespace(**c), blocks=blocks, batcher=SimpleNamespace(snapshot=lambda: tiers))
 
 
@@ -66,6 +66,7 @@ def test_every_family_renders_the_values_of_its_sources() -> None:
     assert (get("edged_host_kv_blocks_total", event="spilled"), get("edged_host_kv_blocks_total", event="restored")) \
         == (5, 4)
     assert (get("edged_queue_depth", tier="gold"), get("edged_queue_depth", tier="bronze")) == (2, 7)
+    assert (get("edged_running_requests", tier="gold"), get("edged_running_requests", tier="bronze")) == (5, 1)
     assert (get("edged_sla_attainment", tier="gold"), get("edged_sla_attainment", tier="bronze")) == (0.9, 0.5)
     assert get("edged_batch_window_seconds", tier="gold") == pytest.approx(0.004)
     assert get("edged_batch_window_seconds", tier="bronze") == pytest.approx(0.05)

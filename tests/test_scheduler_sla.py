@@ -300,6 +300,21 @@ def test_reconfigure_keeps_queued_requests_in_place() -> None:
     assert len(eng.finished) == 6 and eng.max_batch <= 2
 
 
+def test_snapshot_counts_the_sequences_in_the_batch_per_tier_and_none_once_they_finish() -> None:
+    eng = SimEngine(limits=BatchLimits(max_num_seqs=2, max_batch_tokens=512), admission=False)
+    for i, tier in enumerate(["gold", "bronze", "bronze"]):
+        eng.submit(sim_request(f"{tier}-{i}", tier, arrival=0.0))
+    eng.step()  # gold's prompt takes a step of its own
+    eng.step()  # then one bronze joins it in the two slots, the other bronze waits
+    assert [seq.request_id for seq in eng.batcher.running] == ["gold-0", "bronze-1"]
+    snap = eng.batcher.snapshot()
+    assert [(snap[t]["running"], snap[t]["queue_depth"]) for t in ("gold", "silver", "bronze")] == \
+        [(1, 0), (0, 0), (1, 1)]
+    while eng.batcher.has_work():
+        eng.step()
+    assert all(s["running"] == 0 for s in eng.batcher.snapshot().values())
+
+
 def test_snapshot_and_ttft_observers() -> None:
     seen = []
     eng = SimEngine(limits=LIMITS, cost=COST)
