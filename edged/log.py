@@ -14,13 +14,33 @@ def setup_logging(level: str = "info", process: str | None = None) -> None:
     if logger.handlers:
         return
     handler = logging.StreamHandler(sys.stderr)
-    # journald stamps each line itself; elsewhere a timestamp helps.
     fmt = "%(levelname)s %(name)s: %(message)s" if process is None else f"%(levelname)s %(name)s[{process}]: %(message)s"
-    if not os.environ.get("JOURNAL_STREAM"):
-        fmt = "%(asctime)s " + fmt
-    handler.setFormatter(logging.Formatter(fmt))
+    # journald stamps each line itself and reads its level from a "<N>" prefix; elsewhere a timestamp helps.
+    handler.setFormatter(JournalFormatter(fmt) if stderr_is_journal() else logging.Formatter("%(asctime)s " + fmt))
     logger.addHandler(handler)
     logger.propagate = False
+
+
+def stderr_is_journal() -> bool:
+    """Whether stderr is systemd's journal stream: $JOURNAL_STREAM names its device:inode (systemd.exec(5)), which
+    a redirection (`edged serve 2>file` inside a unit) no longer matches."""
+    try:
+        dev, ino = (int(n) for n in os.environ.get("JOURNAL_STREAM", "").split(":"))
+        st = os.fstat(sys.stderr.fileno())
+    except (ValueError, OSError):
+        return False
+    return (st.st_dev, st.st_ino) == (dev, ino)
+
+
+class JournalFormatter(logging.Formatter):
+    """Each line starts with its syslog priority, `<3>` for an error: journald files the line at that level and
+    strips the prefix (SyslogLevelPrefix=, on by default), so `journalctl -u edged -p warning` finds warnings."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        n = record.levelno
+        priority = 2 if n >= logging.CRITICAL else 3 if n >= logging.ERROR else 4 if n >= logging.WARNING \
+            else 6 if n >= logging.INFO else 7
+        return f"<{priority}>{super().format(record)}"
 
 
 def fields(**kw: object) -> str:
