@@ -33,14 +33,15 @@ def stderr_is_journal() -> bool:
 
 
 class JournalFormatter(logging.Formatter):
-    """Each line starts with its syslog priority, `<3>` for an error: journald files the line at that level and
+    """Each line starts with its record's syslog priority, `<3>` for an error: journald files the line at that level and
     strips the prefix (SyslogLevelPrefix=, on by default), so `journalctl -u edged -p warning` finds warnings."""
 
     def format(self, record: logging.LogRecord) -> str:
         n = record.levelno
         priority = 2 if n >= logging.CRITICAL else 3 if n >= logging.ERROR else 4 if n >= logging.WARNING \
             else 6 if n >= logging.INFO else 7
-        return f"<{priority}>{super().format(record)}"
+        # a traceback's lines too: journald makes each line an entry of its own
+        return "\n".join(f"<{priority}>{line}" for line in super().format(record).splitlines())
 
 
 def fields(**kw: object) -> str:
