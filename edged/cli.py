@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 DEFAULT_PORT = 4433
+API_KEY_ENV = "EDGED_API_KEY"  # `edged chat`'s key when --api-key is not given
 MAKE_RUN_STATE_DIR = ".state"  # the Makefile's STATE_DIR: where `make run` keeps the daemon's certificate
 
 
@@ -57,7 +58,9 @@ def build_parser(bench_arguments: bool = True) -> argparse.ArgumentParser:
     chat.add_argument("--system", help="an optional system message")
     chat.add_argument("--max-tokens", type=int, help="most tokens to generate")
     chat.add_argument("--temperature", type=float, help="0 for greedy decoding (default: the model's)")
-    chat.add_argument("--api-key", help="API key, when the daemon has auth on")
+    chat.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
+                      help=f"API key, when the daemon has auth on (default: ${API_KEY_ENV}, which keeps the key "
+                           "out of the process list)")
     chat.add_argument("--no-0rtt", dest="zero_rtt", action="store_false",
                       help="neither use nor keep QUIC session tickets (by default the ticket from the last run, "
                            "kept per server under $XDG_STATE_HOME/edged or ~/.local/state/edged, sends the "

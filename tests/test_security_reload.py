@@ -200,6 +200,22 @@ def test_keys_are_compared_exactly(daemon: DaemonProcess) -> None:
     assert statuses(daemon, f"Bearer {KEY}") == [200]
 
 
+def test_edged_chat_takes_the_key_from_the_environment_and_hints_at_it_when_refused(daemon: DaemonProcess) -> None:
+    def chat(env_key: str | None) -> subprocess.CompletedProcess:
+        env = {k: v for k, v in os.environ.items() if k != "EDGED_API_KEY"}
+        if env_key is not None:
+            env["EDGED_API_KEY"] = env_key
+        return subprocess.run([sys.executable, "-m", "edged.cli", "chat", "Hi", "--max-tokens", "3", "--port",
+                               str(daemon.port), "--ca-file", daemon.ca_file, "--no-0rtt"],
+                              capture_output=True, text=True, timeout=120, env=env)
+
+    ok = chat(KEY)
+    assert ok.returncode == 0 and ok.stdout.strip(), ok.stderr
+    for refused in (chat(None), chat("wrong")):
+        assert refused.returncode == 1 and "(HTTP 401)" in refused.stderr
+        assert "--api-key KEY or in $EDGED_API_KEY" in refused.stderr
+
+
 def test_a_missing_config_file_at_start_is_an_error(tmp_path: Path) -> None:
     missing = tmp_path / "nope.yaml"
     out = subprocess.run([sys.executable, "-m", "edged.cli", "serve", "--config", str(missing),

@@ -638,6 +638,8 @@ class _ChatSession:
             if parts:
                 sys.stdout.write("\n")
             print(f"edged chat: the server refused the request (HTTP {e.status}): {e.message}", file=sys.stderr)
+            if e.status == 401:
+                print("  hint: give the key with --api-key KEY or in $EDGED_API_KEY", file=sys.stderr)
             return _Turn.FAILED, ""
         except H3ClientError as e:
             if parts:
