@@ -224,6 +224,22 @@ def test_http1_pipelining_and_malformed_requests(srv, certs):
     assert json.loads(payload)["error"]["code"] == "invalid_request"
 
 
+def test_http1_status_lines_carry_their_reason_phrase(srv, certs):
+    ctx = ssl.create_default_context(cafile=certs[0])
+    ctx.set_alpn_protocols(["http/1.1"])
+    lines = []
+    for request in (b"GET /healthz HTTP/1.1\r\nhost: a\r\n\r\n", b"GET /nowhere HTTP/1.1\r\nhost: a\r\n\r\n",
+                    b"POST /v1/completions HTTP/1.1\r\nhost: a\r\nexpect: 100-continue\r\ncontent-length: 2\r\n\r\n"):
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as raw, \
+                ctx.wrap_socket(raw, server_hostname="127.0.0.1") as tls:
+            tls.sendall(request)
+            head = b""
+            while b"\r\n" not in head:
+                head += tls.recv(4096)
+            lines.append(head.split(b"\r\n", 1)[0])
+    assert lines == [b"HTTP/1.1 200 OK", b"HTTP/1.1 404 Not Found", b"HTTP/1.1 100 Continue"]
+
+
 # ------------------------------------------------------------------ the same errors as HTTP/3
 
 @pytest.mark.parametrize("case", BAD, ids=[b[0] for b in BAD])

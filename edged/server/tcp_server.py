@@ -13,6 +13,7 @@ send_high_water (HTTP/1.1 and HTTP/2) or the stream's HTTP/2 flow-control window
 from __future__ import annotations
 
 import asyncio
+import http
 import logging
 import socket
 import ssl
@@ -43,6 +44,14 @@ ALPN = ["h2", "http/1.1"]
 MAX_HEAD_BYTES = 64 * 1024  # request line + headers (HTTP/1.1) / header list (HTTP/2)
 ALT_SVC_MAX_AGE_S = 86400
 DISCARD_LIMIT_FACTOR = 16  # an answered HTTP/1.1 request's body is read and dropped up to this x max_body_bytes
+
+
+def _reason(status: int) -> bytes:
+    """The status line's phrase ("200 OK"): h11 leaves it empty, which some HTTP/1.1 clients show as is."""
+    try:
+        return http.HTTPStatus(status).phrase.encode()
+    except ValueError:
+        return b""
 
 
 class TcpConnection(asyncio.Protocol):
@@ -197,7 +206,8 @@ class H11Request(HttpRequest):
 
     def _send_headers(self, status: int, headers: list[tuple[str, str]], end_stream: bool) -> None:
         s = self.session
-        out = s.h11.send(h11.Response(status_code=status, headers=[*headers, ("alt-svc", s.conn.alt_svc)]))
+        out = s.h11.send(h11.Response(status_code=status, headers=[*headers, ("alt-svc", s.conn.alt_svc)],
+                                      reason=_reason(status)))
         if end_stream:
             out += s.h11.send(h11.EndOfMessage())
         s.conn.write(out)
@@ -284,7 +294,7 @@ class H11Session:
         self.current, self.discarding, self._discarded = req, False, 0
         req.on_headers(stream_ended=False)
         if not req.closed and self.h11.they_are_waiting_for_100_continue:
-            self.conn.write(self.h11.send(h11.InformationalResponse(status_code=100, headers=[])))
+            self.conn.write(self.h11.send(h11.InformationalResponse(status_code=100, headers=[], reason=_reason(100))))
 
     def _on_data(self, data: bytes) -> None:
         req = self.current
