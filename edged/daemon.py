@@ -90,7 +90,8 @@ def bind_group(host: str, port: int, count: int, kind: socket.SocketKind, backlo
         for s in socks:
             s.close()
         proto = "tcp" if kind == socket.SOCK_STREAM else "udp"
-        raise OSError(f"cannot listen on {proto} {host}:{port}: {e.strerror or e}") from None
+        where = f"[{host}]:{port}" if family == socket.AF_INET6 else f"{host}:{port}"
+        raise OSError(f"cannot listen on {proto} {where}: {e.strerror or e}") from None
     return socks
 
 

@@ -53,6 +53,15 @@ def test_a_port_held_by_another_daemons_socket_group_is_refused_not_shared() -> 
         s.close()
 
 
+def test_an_ipv6_port_in_use_is_named_in_brackets() -> None:
+    first = bind_udp("::1", 0, 1)
+    try:
+        with pytest.raises(OSError, match=r"cannot listen on udp \[::\]:\d+: address already in use"):
+            bind_udp("::", first[0].getsockname()[1], 1)  # the wildcard overlaps the loopback holder
+    finally:
+        first[0].close()
+
+
 def child(name: str, beat_age_s: float, alive: bool = True) -> Child:
     proc = SimpleNamespace(is_alive=lambda: alive)
     return Child(name, proc, None, None, last_beat=time.monotonic() - beat_age_s)  # type: ignore[arg-type]
