@@ -180,11 +180,12 @@ def build_parser(bench_arguments: bool = True) -> argparse.ArgumentParser:
 
 def _describe_from_help(parser: argparse.ArgumentParser) -> None:
     """A command without a description of its own shows its one-line help atop `edged CMD --help`."""
-    for action in parser._subparsers._group_actions if parser._subparsers else ():
-        for choice in action._choices_actions:
-            sub = action.choices[choice.dest]
-            sub.description = sub.description or choice.help[0].upper() + choice.help[1:] + "."
-            _describe_from_help(sub)
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for choice in action._choices_actions:
+                sub = action.choices[choice.dest]
+                sub.description = sub.description or choice.help[0].upper() + choice.help[1:] + "."
+                _describe_from_help(sub)
 
 
 def _chat_ca_file(args: argparse.Namespace) -> str | None:
