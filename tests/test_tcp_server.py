@@ -10,6 +10,7 @@ import hashlib
 import json
 import socket
 import ssl
+import time
 import uuid
 from pathlib import Path
 
@@ -517,10 +518,16 @@ def test_bind_tcp_refuses_a_port_another_daemons_listeners_hold():
             s.close()
 
 
-def _time_wait_on(port: int) -> bool:
-    """A TIME_WAIT (state 06) connection from 127.0.0.1:port in /proc/net/tcp."""
-    rows = [line.split() for line in Path("/proc/net/tcp").read_text().splitlines()[1:]]
-    return any(r[1] == f"0100007F:{port:04X}" and r[3] == "06" for r in rows)
+def _time_wait_on(port: int, timeout_s: float = 5.0) -> bool:
+    """A TIME_WAIT (state 06) connection from 127.0.0.1:port shows in /proc/net/tcp within timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        rows = [line.split() for line in Path("/proc/net/tcp").read_text().splitlines()[1:]]
+        if any(r[1] == f"0100007F:{port:04X}" and r[3] == "06" for r in rows):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
 
 
 def test_a_restart_binds_tcp_again_beside_the_last_runs_time_wait_connections():
